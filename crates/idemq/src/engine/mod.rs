@@ -1,0 +1,21 @@
+//! The engine: one message from delivery to ack, and the loop that runs a source.
+//!
+//! For each delivery, in this order:
+//! 1. derive the business key and payload fingerprint (bad input → dead letter);
+//! 2. **claim** the key in the store (insert first);
+//! 3. run the **handler** with the store's transaction (or lease);
+//! 4. store the result and **commit**;
+//! 5. only then **ack** the delivery.
+//!
+//! A duplicate is acked without running anything; a retryable failure rolls
+//! back, counts an attempt outside the rolled-back transaction and nacks
+//! with backoff; a permanent failure, exhausted retries and bad input are
+//! dead-lettered and acked. A crash at any point leaves either nothing or
+//! everything committed, and the redelivery sorts it out.
+
+mod consumer;
+mod handler;
+mod run;
+
+pub use consumer::{Consumer, ConsumerBuilder};
+pub use handler::{Context, FnHandler, Handler, HandlerResult};

@@ -1,0 +1,142 @@
+//! Outcomes: every message ends as exactly one of these.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use crate::store::{DeadLetterReason, InboxRecord};
+
+/// How one delivery of a message ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// The handler ran and its effects committed; then the delivery was acked.
+    Processed {
+        /// The scoped key.
+        key: String,
+        /// The result the handler stored, if any.
+        result: Option<serde_json::Value>,
+    },
+    /// The key was already processed with the same fingerprint: nothing ran, the delivery was acked.
+    Duplicate {
+        /// The stored record (first-seen time, stored result).
+        record: InboxRecord,
+    },
+    /// The key was already processed with a *different* payload fingerprint.
+    /// Nothing ran; the message was dead-lettered (or acked, per
+    /// [`ConflictPolicy`](crate::ConflictPolicy)).
+    Conflict {
+        /// The stored record.
+        record: InboxRecord,
+        /// The fingerprint of the message that conflicted.
+        fingerprint: String,
+    },
+    /// Nothing committed; the delivery was nacked to come back after `delay`.
+    RetryLater {
+        /// The key, where one could be derived.
+        key: Option<String>,
+        /// Failed handler attempts counted so far (0 for store or in-flight waits).
+        attempts: u32,
+        /// How long until the redelivery.
+        delay: Duration,
+        /// Why.
+        error: String,
+    },
+    /// The message was written to the dead-letter table (and the source's dead-letter destination) and acked.
+    DeadLettered {
+        /// The key, where one could be derived.
+        key: Option<String>,
+        /// Why.
+        reason: DeadLetterReason,
+        /// The error text.
+        error: String,
+    },
+}
+
+impl Outcome {
+    /// The kind of outcome, for counting.
+    pub fn kind(&self) -> OutcomeKind {
+        match self {
+            Outcome::Processed { .. } => OutcomeKind::Processed,
+            Outcome::Duplicate { .. } => OutcomeKind::Duplicate,
+            Outcome::Conflict { .. } => OutcomeKind::Conflict,
+            Outcome::RetryLater { .. } => OutcomeKind::RetryLater,
+            Outcome::DeadLettered { .. } => OutcomeKind::DeadLettered,
+        }
+    }
+}
+
+/// The kinds of [`Outcome`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum OutcomeKind {
+    /// See [`Outcome::Processed`].
+    Processed,
+    /// See [`Outcome::Duplicate`].
+    Duplicate,
+    /// See [`Outcome::Conflict`].
+    Conflict,
+    /// See [`Outcome::RetryLater`].
+    RetryLater,
+    /// See [`Outcome::DeadLettered`].
+    DeadLettered,
+}
+
+impl OutcomeKind {
+    /// All kinds, in display order.
+    pub const ALL: [OutcomeKind; 5] = [
+        OutcomeKind::Processed,
+        OutcomeKind::Duplicate,
+        OutcomeKind::Conflict,
+        OutcomeKind::RetryLater,
+        OutcomeKind::DeadLettered,
+    ];
+
+    /// The label used in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutcomeKind::Processed => "processed",
+            OutcomeKind::Duplicate => "duplicate",
+            OutcomeKind::Conflict => "conflict",
+            OutcomeKind::RetryLater => "retry_later",
+            OutcomeKind::DeadLettered => "dead_lettered",
+        }
+    }
+}
+
+impl fmt::Display for OutcomeKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Counts of outcomes over a run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Summary {
+    counts: BTreeMap<OutcomeKind, u64>,
+}
+
+impl Summary {
+    /// Counts one outcome.
+    pub fn record(&mut self, kind: OutcomeKind) {
+        *self.counts.entry(kind).or_default() += 1;
+    }
+
+    /// How many outcomes of `kind`.
+    pub fn count(&self, kind: OutcomeKind) -> u64 {
+        self.counts.get(&kind).copied().unwrap_or(0)
+    }
+
+    /// All deliveries handled.
+    pub fn total(&self) -> u64 {
+        self.counts.values().sum()
+    }
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = OutcomeKind::ALL
+            .iter()
+            .map(|k| format!("{k}={}", self.count(*k)))
+            .collect();
+        f.write_str(&parts.join(" "))
+    }
+}

@@ -1,0 +1,104 @@
+//! Policies: retry and backoff, conflicts, concurrency, retention.
+
+use std::time::Duration;
+
+/// Retries of retryable failures: bounded, with exponential backoff.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetryPolicy {
+    /// Attempts before a message is dead-lettered (the first delivery counts as attempt 1).
+    pub max_attempts: u32,
+    /// Delay before the second attempt.
+    pub initial_backoff: Duration,
+    /// Growth factor of the delay per attempt.
+    pub multiplier: f64,
+    /// Upper bound of the delay.
+    pub max_backoff: Duration,
+    /// Random spread of each delay, as a fraction (0.2 = ±20%), so that many
+    /// failing consumers do not retry in lockstep.
+    pub jitter: f64,
+    /// Delay before a message whose key is in flight elsewhere, or whose store
+    /// call failed transiently, is tried again (no attempt is counted).
+    pub busy_delay: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 5,
+            initial_backoff: Duration::from_millis(200),
+            multiplier: 2.0,
+            max_backoff: Duration::from_secs(60),
+            jitter: 0.2,
+            busy_delay: Duration::from_millis(250),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The delay after failed attempt number `attempt` (1-based).
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        let exp = self
+            .multiplier
+            .powi(attempt.saturating_sub(1).min(64) as i32);
+        let base = self.initial_backoff.as_secs_f64() * exp;
+        let capped = base.min(self.max_backoff.as_secs_f64());
+        let spread = if self.jitter > 0.0 {
+            1.0 + self.jitter * (fastrand::f64() * 2.0 - 1.0)
+        } else {
+            1.0
+        };
+        Duration::from_secs_f64((capped * spread).max(0.0))
+    }
+}
+
+/// What to do with a message whose key was processed before with a different payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ConflictPolicy {
+    /// Write a dead letter with reason `conflict` and ack (default): nothing is
+    /// lost, and an operator can look at both payloads.
+    #[default]
+    DeadLetter,
+    /// Log a warning and ack, like a duplicate.
+    Ignore,
+}
+
+/// How long inbox rows are kept, and how pruning runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RetentionPolicy {
+    /// Rows older than this are pruned. Must exceed the longest time the
+    /// broker may redeliver a message (R7), or a late duplicate applies again.
+    pub keep_for: Duration,
+    /// Rows deleted per statement, to keep locks short.
+    pub batch_size: u32,
+    /// Pause between batches.
+    pub pause: Duration,
+}
+
+impl Default for RetentionPolicy {
+    fn default() -> Self {
+        Self {
+            keep_for: Duration::from_secs(7 * 24 * 3600),
+            batch_size: 5_000,
+            pause: Duration::from_millis(10),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_caps() {
+        let p = RetryPolicy {
+            jitter: 0.0,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(350),
+            ..RetryPolicy::default()
+        };
+        assert_eq!(p.backoff(1), Duration::from_millis(100));
+        assert_eq!(p.backoff(2), Duration::from_millis(200));
+        assert_eq!(p.backoff(3), Duration::from_millis(350));
+        assert_eq!(p.backoff(1000), Duration::from_millis(350));
+    }
+}

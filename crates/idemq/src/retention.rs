@@ -1,0 +1,72 @@
+//! Retention: prune inbox rows older than the broker's redelivery window (R7).
+//!
+//! Rows go in bounded batches with a pause between them, so pruning never
+//! holds long locks. Keep rows for longer than the longest time a duplicate
+//! can arrive (broker retention, retry schedules, replays), or a late
+//! duplicate is applied again.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use crate::error::StoreError;
+use crate::policy::RetentionPolicy;
+use crate::store::{system_time_ms, StoreAdmin};
+
+/// Deletes every inbox row first seen more than `policy.keep_for` ago, batch
+/// by batch; returns how many went.
+pub async fn prune(
+    store: &(impl StoreAdmin + ?Sized),
+    policy: &RetentionPolicy,
+) -> Result<u64, StoreError> {
+    let cutoff = SystemTime::now()
+        .checked_sub(policy.keep_for)
+        .map(system_time_ms)
+        .unwrap_or(0);
+    prune_before(store, cutoff, policy.batch_size, policy.pause).await
+}
+
+/// Deletes every inbox row first seen before `cutoff_ms` (ms since the epoch).
+pub async fn prune_before(
+    store: &(impl StoreAdmin + ?Sized),
+    cutoff_ms: i64,
+    batch_size: u32,
+    pause: Duration,
+) -> Result<u64, StoreError> {
+    let batch_size = batch_size.max(1);
+    let mut total = 0;
+    loop {
+        let deleted = store.prune_batch(cutoff_ms, batch_size).await?;
+        total += deleted;
+        if deleted < u64::from(batch_size) {
+            break;
+        }
+        tokio::time::sleep(pause).await;
+    }
+    if total > 0 {
+        tracing::info!(rows = total, "pruned inbox rows");
+    }
+    metrics::counter!("idemq_pruned_rows_total").increment(total);
+    Ok(total)
+}
+
+/// Prunes every `interval` in the background until the handle is aborted.
+/// Failures are logged and retried at the next tick.
+pub fn spawn_pruner<A>(
+    store: Arc<A>,
+    policy: RetentionPolicy,
+    interval: Duration,
+) -> tokio::task::JoinHandle<()>
+where
+    A: StoreAdmin + 'static,
+{
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            if let Err(e) = prune(&*store, &policy).await {
+                tracing::warn!(error = %e, "pruning failed; retrying at the next interval");
+            }
+        }
+    })
+}

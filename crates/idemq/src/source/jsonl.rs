@@ -1,0 +1,463 @@
+//! The JSON-lines source: a file or stdin, one message per line.
+//!
+//! A line is either an **envelope** — a JSON object with a `payload` member
+//! and no members other than `id`, `key`, `headers` and `payload` —
+//! or a **bare payload** (any other JSON value), keyed by a JSON pointer:
+//!
+//! ```text
+//! {"id":"m-1","key":"pay-1","headers":{"event_id":"e-1"},"payload":{"amount":5}}
+//! {"payment_id":"pay-2","amount":7}
+//! ```
+//!
+//! In an envelope, `id` and `key` may be strings or numbers, `headers` an
+//! object (non-string values are stored as their JSON text), and `payload`
+//! any JSON value: a string is taken as the raw payload text, anything else
+//! as its compact JSON. A bare line's payload is the line itself.
+//!
+//! A line that is not JSON, not UTF-8, or a malformed envelope is delivered
+//! with a [`defect`](super::Delivery::defect): the engine dead-letters it
+//! with its line number and the run goes on. Blank lines are not messages.
+//!
+//! With a checkpoint file, progress survives restarts: the checkpoint holds
+//! the byte offset before the first line not yet settled, so a restarted
+//! run continues there. Lines after it that were already settled are read
+//! again and answered from the inbox as duplicates: re-running the same
+//! file applies nothing twice, with or without a checkpoint.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncSeekExt, BufReader};
+use tokio::sync::Notify;
+
+use super::{Acknowledger, Delivery, Source};
+use crate::error::{InputError, SourceError};
+use crate::message::{DeliveryMeta, Headers, Message};
+
+/// How often, at most, the checkpoint file is rewritten while running.
+const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(250);
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct Checkpoint {
+    /// Byte offset where reading resumes.
+    offset: u64,
+    /// Number of lines before `offset`.
+    line: i64,
+}
+
+#[derive(Debug)]
+struct Line {
+    number: i64,
+    start: u64,
+    bytes: Vec<u8>,
+    delivery_count: u32,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Lines handed out and not yet settled: line number → start offset.
+    unsettled: BTreeMap<i64, u64>,
+    /// Nacked lines waiting for their redelivery time.
+    delayed: Vec<(Instant, Line)>,
+    /// Read position after the last line read.
+    read: Checkpoint,
+    last_written: Option<Instant>,
+}
+
+impl State {
+    /// Where a restart must resume: before the first unsettled or delayed line.
+    fn watermark(&self) -> Checkpoint {
+        let first_unsettled = self
+            .unsettled
+            .iter()
+            .next()
+            .map(|(&line, &offset)| (line, offset));
+        let first_delayed = self.delayed.iter().map(|(_, l)| (l.number, l.start)).min();
+        match [first_unsettled, first_delayed].into_iter().flatten().min() {
+            Some((line, offset)) => Checkpoint {
+                offset,
+                line: line - 1,
+            },
+            None => self.read,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<State>,
+    changed: Notify,
+    checkpoint_path: Option<PathBuf>,
+    topic: String,
+}
+
+impl Shared {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Writes the checkpoint (atomically: temp file + rename) if due or `force`d.
+    async fn save_checkpoint(&self, force: bool) -> Result<(), SourceError> {
+        let Some(path) = &self.checkpoint_path else {
+            return Ok(());
+        };
+        let checkpoint = {
+            let mut state = self.state();
+            let due = state
+                .last_written
+                .is_none_or(|t| t.elapsed() >= CHECKPOINT_INTERVAL);
+            if !force && !due {
+                return Ok(());
+            }
+            state.last_written = Some(Instant::now());
+            state.watermark()
+        };
+        let text =
+            serde_json::to_string(&checkpoint).map_err(|e| SourceError::Other(e.to_string()))?;
+        let tmp = path.with_extension("checkpoint.tmp");
+        tokio::fs::write(&tmp, text).await?;
+        tokio::fs::rename(&tmp, path).await?;
+        Ok(())
+    }
+}
+
+/// A JSON-lines file or stdin as a source of messages.
+pub struct JsonLinesSource {
+    reader: Option<Box<dyn AsyncBufRead + Unpin + Send>>,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for JsonLinesSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JsonLinesSource")
+            .field("topic", &self.shared.topic)
+            .field("checkpoint", &self.shared.checkpoint_path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl JsonLinesSource {
+    /// Reads `path` from the start, without a checkpoint.
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self, SourceError> {
+        Self::open_with_checkpoint(path, None).await
+    }
+
+    /// Reads `path`, resuming from `checkpoint` (a file written as the run
+    /// progresses) when it exists. A checkpoint beyond the end of the file
+    /// (the file was replaced by a shorter one) is ignored.
+    pub async fn open_with_checkpoint(
+        path: impl AsRef<Path>,
+        checkpoint: Option<PathBuf>,
+    ) -> Result<Self, SourceError> {
+        let path = path.as_ref();
+        let mut file = tokio::fs::File::open(path).await?;
+        let len = file.metadata().await?.len();
+        let mut start = Checkpoint::default();
+        if let Some(cp_path) = &checkpoint {
+            match tokio::fs::read_to_string(cp_path).await {
+                Ok(text) => match serde_json::from_str::<Checkpoint>(&text) {
+                    Ok(cp) if cp.offset <= len => start = cp,
+                    Ok(cp) => tracing::warn!(
+                        checkpoint = %cp_path.display(), offset = cp.offset, len,
+                        "checkpoint is past the end of the file; reading from the start"
+                    ),
+                    Err(e) => tracing::warn!(
+                        checkpoint = %cp_path.display(), error = %e,
+                        "unreadable checkpoint; reading from the start"
+                    ),
+                },
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if start.offset > 0 {
+            file.seek(std::io::SeekFrom::Start(start.offset)).await?;
+            tracing::info!(line = start.line + 1, "resuming from checkpoint");
+        }
+        Ok(Self::build(
+            Box::new(BufReader::new(file)),
+            path.display().to_string(),
+            checkpoint,
+            start,
+        ))
+    }
+
+    /// Reads standard input (no checkpoint: stdin cannot be re-read).
+    pub fn stdin() -> Self {
+        Self::from_reader(BufReader::new(tokio::io::stdin()), "-")
+    }
+
+    /// Reads any buffered reader; `topic` names it in metadata and dead letters.
+    pub fn from_reader(reader: impl AsyncBufRead + Unpin + Send + 'static, topic: &str) -> Self {
+        Self::build(
+            Box::new(reader),
+            topic.to_owned(),
+            None,
+            Checkpoint::default(),
+        )
+    }
+
+    fn build(
+        reader: Box<dyn AsyncBufRead + Unpin + Send>,
+        topic: String,
+        checkpoint_path: Option<PathBuf>,
+        start: Checkpoint,
+    ) -> Self {
+        Self {
+            reader: Some(reader),
+            shared: Arc::new(Shared {
+                state: Mutex::new(State {
+                    read: start,
+                    ..State::default()
+                }),
+                changed: Notify::new(),
+                checkpoint_path,
+                topic,
+            }),
+        }
+    }
+
+    /// Reads the next non-blank line, or `None` at the end of input.
+    async fn read_line(&mut self) -> Result<Option<Line>, SourceError> {
+        let Some(reader) = self.reader.as_mut() else {
+            return Ok(None);
+        };
+        loop {
+            let mut bytes = Vec::new();
+            let n = reader.read_until(b'\n', &mut bytes).await?;
+            if n == 0 {
+                self.reader = None;
+                return Ok(None);
+            }
+            let mut state = self.shared.state();
+            let start = state.read.offset;
+            state.read.offset += n as u64;
+            state.read.line += 1;
+            let number = state.read.line;
+            while matches!(bytes.last(), Some(b'\n' | b'\r')) {
+                bytes.pop();
+            }
+            if bytes.iter().all(u8::is_ascii_whitespace) {
+                continue;
+            }
+            return Ok(Some(Line {
+                number,
+                start,
+                bytes,
+                delivery_count: 1,
+            }));
+        }
+    }
+
+    fn deliver(&self, line: Line) -> Delivery {
+        self.shared
+            .state()
+            .unsettled
+            .insert(line.number, line.start);
+        let meta = DeliveryMeta {
+            source: "jsonl".into(),
+            topic: Some(self.shared.topic.clone()),
+            partition: None,
+            offset: Some(line.number),
+            delivery_count: line.delivery_count,
+        };
+        let (message, defect) = match parse_line(&line.bytes) {
+            Ok(message) => (message, None),
+            Err(reason) => (
+                Message::new(line.bytes.clone()),
+                Some(InputError::Malformed(format!(
+                    "line {}: {reason}",
+                    line.number
+                ))),
+            ),
+        };
+        let acker = LineAcker {
+            shared: Arc::clone(&self.shared),
+            line: Some(line),
+        };
+        let delivery = Delivery::new(message, meta, Box::new(acker));
+        match defect {
+            Some(d) => delivery.with_defect(d),
+            None => delivery,
+        }
+    }
+}
+
+#[async_trait]
+impl Source for JsonLinesSource {
+    async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
+        let shared = Arc::clone(&self.shared);
+        loop {
+            let changed = shared.changed.notified();
+            let due = {
+                let mut state = shared.state();
+                let now = Instant::now();
+                state
+                    .delayed
+                    .iter()
+                    .position(|(at, _)| *at <= now)
+                    .map(|i| state.delayed.swap_remove(i).1)
+            };
+            if let Some(line) = due {
+                return Ok(Some(self.deliver(line)));
+            }
+            if let Some(line) = self.read_line().await? {
+                return Ok(Some(self.deliver(line)));
+            }
+            // End of input: wait for retries and outstanding deliveries.
+            let wait = {
+                let state = self.shared.state();
+                if state.unsettled.is_empty() && state.delayed.is_empty() {
+                    None
+                } else {
+                    let now = Instant::now();
+                    Some(
+                        state
+                            .delayed
+                            .iter()
+                            .map(|(at, _)| at.saturating_duration_since(now))
+                            .min()
+                            .unwrap_or(Duration::from_millis(200)),
+                    )
+                }
+            };
+            match wait {
+                None => {
+                    self.shared.save_checkpoint(true).await?;
+                    return Ok(None);
+                }
+                Some(wait) => {
+                    let _ = tokio::time::timeout(wait, changed).await;
+                }
+            }
+        }
+    }
+}
+
+struct LineAcker {
+    shared: Arc<Shared>,
+    line: Option<Line>,
+}
+
+impl LineAcker {
+    fn settle(&mut self, retry_after: Option<Duration>) {
+        let Some(mut line) = self.line.take() else {
+            return;
+        };
+        let mut state = self.shared.state();
+        state.unsettled.remove(&line.number);
+        if let Some(delay) = retry_after {
+            line.delivery_count += 1;
+            state.delayed.push((Instant::now() + delay, line));
+        }
+        drop(state);
+        self.shared.changed.notify_waiters();
+    }
+}
+
+#[async_trait]
+impl Acknowledger for LineAcker {
+    async fn ack(mut self: Box<Self>) -> Result<(), SourceError> {
+        self.settle(None);
+        self.shared.save_checkpoint(false).await
+    }
+
+    async fn nack(mut self: Box<Self>, delay: Duration) -> Result<(), SourceError> {
+        self.settle(Some(delay));
+        Ok(())
+    }
+}
+
+impl Drop for LineAcker {
+    /// A delivery dropped unsettled (its task was cancelled) is retried at once.
+    fn drop(&mut self) {
+        self.settle(Some(Duration::ZERO));
+    }
+}
+
+/// Parses one line into a message (envelope or bare payload).
+fn parse_line(bytes: &[u8]) -> Result<Message, String> {
+    let text = std::str::from_utf8(bytes).map_err(|e| format!("not valid UTF-8 ({e})"))?;
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("not valid JSON ({e})"))?;
+    let is_envelope = value.as_object().is_some_and(|o| {
+        o.contains_key("payload")
+            && o.keys()
+                .all(|k| matches!(k.as_str(), "id" | "key" | "headers" | "payload"))
+    });
+    if !is_envelope {
+        return Ok(Message::new(text.trim().as_bytes().to_vec()));
+    }
+    let serde_json::Value::Object(mut envelope) = value else {
+        return Err("envelope is not an object".into());
+    };
+    let scalar = |name: &str, v: Option<serde_json::Value>| -> Result<Option<String>, String> {
+        match v {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(serde_json::Value::String(s)) => Ok(Some(s)),
+            Some(serde_json::Value::Number(n)) => Ok(Some(n.to_string())),
+            Some(other) => Err(format!(
+                "envelope {name} must be a string or number, not {other}"
+            )),
+        }
+    };
+    let id = scalar("id", envelope.remove("id"))?;
+    let key = scalar("key", envelope.remove("key"))?;
+    let mut headers = Headers::new();
+    match envelope.remove("headers") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::Object(map)) => {
+            for (name, v) in map {
+                match v {
+                    serde_json::Value::String(s) => headers.insert(name, s.into_bytes()),
+                    other => headers.insert(name, other.to_string().into_bytes()),
+                }
+            }
+        }
+        Some(_) => return Err("envelope headers must be an object".into()),
+    }
+    let payload = match envelope.remove("payload") {
+        Some(serde_json::Value::String(s)) => s.into_bytes(),
+        Some(other) => other.to_string().into_bytes(),
+        None => return Err("envelope has no payload".into()),
+    };
+    Ok(Message {
+        id,
+        key,
+        headers,
+        payload,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelopes_and_bare_lines() {
+        let m = parse_line(br#"{"id":7,"key":"k","headers":{"a":"b","n":1},"payload":{"x":1}}"#)
+            .unwrap();
+        assert_eq!(m.id.as_deref(), Some("7"));
+        assert_eq!(m.key.as_deref(), Some("k"));
+        assert_eq!(m.headers.get("a"), Some(&b"b"[..]));
+        assert_eq!(m.headers.get("n"), Some(&b"1"[..]));
+        assert_eq!(m.payload, br#"{"x":1}"#);
+        let bare = parse_line(br#"{"payment_id":"p","payload":1}"#).unwrap();
+        assert_eq!(bare.id, None);
+        assert_eq!(bare.payload, br#"{"payment_id":"p","payload":1}"#);
+        let text = parse_line(br#"{"payload":"raw text"}"#).unwrap();
+        assert_eq!(text.payload, b"raw text");
+    }
+
+    #[test]
+    fn malformed_lines_are_errors() {
+        assert!(parse_line(b"{not json").is_err());
+        assert!(parse_line(&[0xff, 0xfe]).is_err());
+        assert!(parse_line(br#"{"id":{},"payload":1}"#).is_err());
+        assert!(parse_line(br#"{"headers":[],"payload":1}"#).is_err());
+    }
+}

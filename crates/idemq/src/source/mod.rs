@@ -1,0 +1,95 @@
+//! Sources: where deliveries come from, and how they are settled.
+//!
+//! A [`Source`] yields [`Delivery`]s. Each delivery is settled exactly once
+//! through its [`Acknowledger`]: ack after the inbox transaction committed,
+//! nack with a delay for a retry, or dead-letter. The engine never acks
+//! before the commit.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::error::{InputError, SourceError};
+use crate::message::{DeliveryMeta, Message};
+use crate::store::DeadLetterReason;
+
+pub mod jsonl;
+pub mod queue;
+
+/// Settles one delivery with its source.
+#[async_trait]
+pub trait Acknowledger: Send + Sync {
+    /// The message is done (processed, duplicate or dead-lettered): do not deliver it again.
+    async fn ack(self: Box<Self>) -> Result<(), SourceError>;
+
+    /// Deliver the message again after `delay`.
+    async fn nack(self: Box<Self>, delay: Duration) -> Result<(), SourceError>;
+
+    /// The message was written to the dead-letter table; forward it to the
+    /// source's own dead-letter destination if it has one, then ack.
+    async fn dead_letter(self: Box<Self>, reason: &DeadLetterReason) -> Result<(), SourceError> {
+        let _ = reason;
+        self.ack().await
+    }
+}
+
+/// One delivery of a message: the message, where it came from, and the means to settle it.
+pub struct Delivery {
+    /// The message.
+    pub message: Message,
+    /// Delivery metadata.
+    pub meta: DeliveryMeta,
+    /// Set when the source could not decode the record; the engine dead-letters it
+    /// with this reason and the raw bytes as the payload.
+    pub defect: Option<InputError>,
+    acker: Box<dyn Acknowledger>,
+}
+
+impl std::fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Delivery")
+            .field("message", &self.message)
+            .field("meta", &self.meta)
+            .field("defect", &self.defect)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Delivery {
+    /// A delivery settled through `acker`.
+    pub fn new(message: Message, meta: DeliveryMeta, acker: Box<dyn Acknowledger>) -> Self {
+        Self {
+            message,
+            meta,
+            defect: None,
+            acker,
+        }
+    }
+
+    /// Marks the delivery as undecodable; the engine dead-letters it.
+    pub fn with_defect(mut self, defect: InputError) -> Self {
+        self.defect = Some(defect);
+        self
+    }
+
+    /// Splits off the acknowledger so that message and metadata can be borrowed while settling.
+    pub fn into_parts(
+        self,
+    ) -> (
+        Message,
+        DeliveryMeta,
+        Option<InputError>,
+        Box<dyn Acknowledger>,
+    ) {
+        (self.message, self.meta, self.defect, self.acker)
+    }
+}
+
+/// A stream of deliveries.
+#[async_trait]
+pub trait Source: Send {
+    /// The next delivery; `None` when the source is finished (a file read to
+    /// its end with every delivery settled). Sources of endless streams never
+    /// return `None`.
+    async fn next(&mut self) -> Result<Option<Delivery>, SourceError>;
+}

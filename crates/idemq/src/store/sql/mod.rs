@@ -1,0 +1,559 @@
+//! Transactional SQL inbox stores over sqlx: PostgreSQL, MySQL/MariaDB, SQLite.
+//!
+//! The claim row is inserted in the same transaction the handler writes
+//! through. Insert first, never check-then-insert: `ON CONFLICT DO NOTHING`
+//! (PostgreSQL, SQLite) or `INSERT IGNORE` (MySQL) and the affected-row count
+//! decide, so a duplicate never aborts the transaction. A second claim of a
+//! key whose first claim is still uncommitted blocks on the row lock until
+//! the first commits (→ duplicate) or rolls back (→ new).
+//!
+//! The three stores share one implementation (the `sql_store!` macro below);
+//! their SQL lives in [`queries`], their connection setup in their own module.
+
+pub mod queries;
+
+#[cfg(feature = "mysql")]
+pub mod mysql;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+pub use queries::{Dialect, Queries, Tables};
+
+use crate::error::{ConfigError, StoreError};
+
+/// Options shared by the SQL stores.
+#[derive(Debug, Clone)]
+pub struct SqlOptions {
+    /// Prefix of the table names (default `idemq_`), validated as an identifier.
+    pub table_prefix: String,
+    /// Maximum pooled connections. `None` picks the backend's default
+    /// (10 for PostgreSQL and MySQL; 1 for SQLite, which has one writer anyway).
+    pub max_connections: Option<u32>,
+}
+
+impl Default for SqlOptions {
+    fn default() -> Self {
+        Self {
+            table_prefix: "idemq_".to_owned(),
+            max_connections: None,
+        }
+    }
+}
+
+impl SqlOptions {
+    /// Sets the table prefix.
+    pub fn table_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.table_prefix = prefix.into();
+        self
+    }
+
+    /// Sets the pool size.
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = Some(n);
+        self
+    }
+
+    pub(crate) fn tables(&self) -> Result<Tables, ConfigError> {
+        Tables::new(&self.table_prefix)
+    }
+}
+
+/// Whether a database error may pass if the operation is retried:
+/// lost connections, pool timeouts, deadlocks, serialization failures, lock
+/// timeouts and busy databases.
+pub fn is_transient(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(db) => {
+            #[cfg(feature = "mysql")]
+            if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+                // lock wait timeout, deadlock, too many connections, server gone, lost connection
+                return matches!(my.number(), 1205 | 1213 | 1040 | 2006 | 2013);
+            }
+            #[cfg(feature = "sqlite")]
+            if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+                // SQLITE_BUSY and SQLITE_LOCKED, with their extended codes
+                let code = db.code().and_then(|c| c.parse::<i64>().ok()).unwrap_or(0);
+                return matches!(code & 0xff, 5 | 6);
+            }
+            // PostgreSQL (and MySQL's SQLSTATEs): transaction rollback class,
+            // connection exceptions, insufficient resources, lock not available,
+            // operator intervention (shutdown).
+            db.code().is_some_and(|code| {
+                code.starts_with("40")
+                    || code.starts_with("08")
+                    || code.starts_with("53")
+                    || code == "55P03"
+                    || code.starts_with("57P")
+            })
+        }
+        _ => false,
+    }
+}
+
+/// Maps a database error to a [`StoreError`], keeping transience.
+pub(crate) fn store_error(err: sqlx::Error) -> StoreError {
+    if is_transient(&err) {
+        StoreError::Transient(err.to_string())
+    } else {
+        StoreError::Other(err.to_string())
+    }
+}
+
+/// Generates a SQL store type over one sqlx database. Every dialect runs this
+/// same code; only the SQL text ([`Queries`]) and the pool setup differ.
+macro_rules! sql_store {
+    ($(#[$doc:meta])* $store:ident, $db:ty, $connect:path, $dialect:expr) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone)]
+        pub struct $store {
+            pool: sqlx::Pool<$db>,
+            queries: std::sync::Arc<$crate::store::sql::Queries>,
+            tables: $crate::store::sql::Tables,
+        }
+
+        impl $store {
+            /// Connects with default [`SqlOptions`](crate::store::sql::SqlOptions).
+            pub async fn connect(url: &str) -> Result<Self, $crate::StoreError> {
+                Self::connect_with(url, $crate::store::sql::SqlOptions::default()).await
+            }
+
+            /// Connects with `options`. Does not migrate: call
+            /// [`StoreAdmin::migrate`](crate::store::StoreAdmin::migrate).
+            pub async fn connect_with(
+                url: &str,
+                options: $crate::store::sql::SqlOptions,
+            ) -> Result<Self, $crate::StoreError> {
+                let tables = options
+                    .tables()
+                    .map_err(|e| $crate::StoreError::Config(e.to_string()))?;
+                let pool = $connect(url, &options)
+                    .await
+                    .map_err($crate::store::sql::store_error)?;
+                Ok(Self::with_tables(pool, tables))
+            }
+
+            /// Wraps an existing pool (share it with the rest of the application).
+            pub fn from_pool(
+                pool: sqlx::Pool<$db>,
+                options: $crate::store::sql::SqlOptions,
+            ) -> Result<Self, $crate::StoreError> {
+                let tables = options
+                    .tables()
+                    .map_err(|e| $crate::StoreError::Config(e.to_string()))?;
+                Ok(Self::with_tables(pool, tables))
+            }
+
+            fn with_tables(pool: sqlx::Pool<$db>, tables: $crate::store::sql::Tables) -> Self {
+                let queries = $crate::store::sql::Queries::new($dialect, &tables);
+                Self {
+                    pool,
+                    queries: std::sync::Arc::new(queries),
+                    tables,
+                }
+            }
+
+            /// The connection pool.
+            pub fn pool(&self) -> &sqlx::Pool<$db> {
+                &self.pool
+            }
+
+            /// The table names in use.
+            pub fn tables(&self) -> &$crate::store::sql::Tables {
+                &self.tables
+            }
+
+            async fn fetch_record(
+                &self,
+                conn: &mut <$db as sqlx::Database>::Connection,
+                sql: &str,
+                consumer: &str,
+                key: &str,
+            ) -> Result<Option<$crate::store::InboxRecord>, sqlx::Error> {
+                use sqlx::Row;
+                let row = sqlx::query(sql)
+                    .bind(consumer)
+                    .bind(key)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                row.map(|row| {
+                    Ok($crate::store::InboxRecord {
+                        consumer: consumer.to_owned(),
+                        key: key.to_owned(),
+                        fingerprint: row.try_get::<String, _>(0)?,
+                        result: $crate::store::parse_result(row.try_get::<Option<String>, _>(1)?),
+                        first_seen_ms: row.try_get::<i64, _>(2)?,
+                    })
+                })
+                .transpose()
+            }
+
+            async fn fetch_attempts(
+                &self,
+                consumer: &str,
+                key: &str,
+            ) -> Result<Option<$crate::store::AttemptRecord>, sqlx::Error> {
+                use sqlx::Row;
+                let row = sqlx::query(&self.queries.attempt_select)
+                    .bind(consumer)
+                    .bind(key)
+                    .fetch_optional(&self.pool)
+                    .await?;
+                row.map(|row| {
+                    Ok($crate::store::AttemptRecord {
+                        attempts: u32::try_from(row.try_get::<i64, _>(0)?).unwrap_or(u32::MAX),
+                        last_error: row.try_get::<String, _>(1)?,
+                        first_failed_ms: row.try_get::<i64, _>(2)?,
+                        last_failed_ms: row.try_get::<i64, _>(3)?,
+                    })
+                })
+                .transpose()
+            }
+
+            fn dead_letter_from_row(
+                row: &<$db as sqlx::Database>::Row,
+            ) -> Result<$crate::store::DeadLetterRecord, sqlx::Error> {
+                use sqlx::Row;
+                let (message, meta) = $crate::store::dead_letter_message(
+                    row.try_get::<Option<String>, _>(5)?,
+                    row.try_get::<Option<String>, _>(6)?,
+                    row.try_get::<Option<String>, _>(7)?,
+                    row.try_get::<Vec<u8>, _>(8)?,
+                    row.try_get::<String, _>(9)?,
+                    row.try_get::<Option<String>, _>(10)?,
+                    row.try_get::<Option<i64>, _>(11)?.and_then(|p| i32::try_from(p).ok()),
+                    row.try_get::<Option<i64>, _>(12)?,
+                    row.try_get::<i64, _>(13)?,
+                );
+                Ok($crate::store::DeadLetterRecord {
+                    id: row.try_get::<i64, _>(0)?,
+                    consumer: row.try_get::<String, _>(1)?,
+                    key: row.try_get::<Option<String>, _>(2)?,
+                    reason: row.try_get::<String, _>(3)?,
+                    error: row.try_get::<String, _>(4)?,
+                    message,
+                    meta,
+                    attempts: u32::try_from(row.try_get::<i64, _>(14)?).unwrap_or(u32::MAX),
+                    created_ms: row.try_get::<i64, _>(15)?,
+                })
+            }
+
+            async fn count_by_consumer(&self, sql: &str) -> Result<Vec<(String, u64)>, sqlx::Error> {
+                use sqlx::Row;
+                sqlx::query(sql)
+                    .fetch_all(&self.pool)
+                    .await?
+                    .iter()
+                    .map(|row| {
+                        Ok((
+                            row.try_get::<String, _>(0)?,
+                            u64::try_from(row.try_get::<i64, _>(1)?).unwrap_or(0),
+                        ))
+                    })
+                    .collect()
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl $crate::store::Store for $store {
+            type Tx = sqlx::Transaction<'static, $db>;
+
+            async fn claim(
+                &self,
+                req: &$crate::store::ClaimRequest<'_>,
+            ) -> Result<$crate::store::Claim<Self::Tx>, $crate::StoreError> {
+                use $crate::store::sql::store_error;
+                // A claim that finds a key whose row it cannot yet see (possible
+                // under REPEATABLE READ) starts over in a new transaction.
+                for _ in 0..3 {
+                    let mut tx = self.pool.begin().await.map_err(store_error)?;
+                    let inserted = sqlx::query(&self.queries.claim)
+                        .bind(req.consumer)
+                        .bind(req.key)
+                        .bind(req.fingerprint)
+                        .bind($crate::store::now_ms())
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(store_error)?
+                        .rows_affected();
+                    if inserted == 1 {
+                        return Ok($crate::store::Claim::New(tx));
+                    }
+                    let record = self
+                        .fetch_record(&mut tx, &self.queries.fetch, req.consumer, req.key)
+                        .await
+                        .map_err(store_error)?;
+                    tx.rollback().await.map_err(store_error)?;
+                    if let Some(record) = record {
+                        return Ok($crate::store::Claim::Done(record));
+                    }
+                }
+                Err($crate::StoreError::Transient(format!(
+                    "key {:?} exists but its row is not visible yet",
+                    req.key
+                )))
+            }
+
+            async fn commit(
+                &self,
+                mut tx: Self::Tx,
+                req: &$crate::store::ClaimRequest<'_>,
+                result: Option<&serde_json::Value>,
+            ) -> Result<(), $crate::StoreError> {
+                use $crate::store::sql::store_error;
+                if let Some(result) = result {
+                    sqlx::query(&self.queries.set_result)
+                        .bind(result.to_string())
+                        .bind(req.consumer)
+                        .bind(req.key)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(store_error)?;
+                }
+                sqlx::query(&self.queries.clear_attempts)
+                    .bind(req.consumer)
+                    .bind(req.key)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+                tx.commit().await.map_err(store_error)
+            }
+
+            async fn rollback(&self, tx: Self::Tx) -> Result<(), $crate::StoreError> {
+                tx.rollback().await.map_err($crate::store::sql::store_error)
+            }
+
+            async fn record_failure(
+                &self,
+                consumer: &str,
+                key: &str,
+                error: &str,
+            ) -> Result<u32, $crate::StoreError> {
+                use $crate::store::sql::store_error;
+                let now = $crate::store::now_ms();
+                sqlx::query(&self.queries.attempt_upsert)
+                    .bind(consumer)
+                    .bind(key)
+                    .bind(error)
+                    .bind(now)
+                    .bind(now)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(store_error)?;
+                let record = self.fetch_attempts(consumer, key).await.map_err(store_error)?;
+                Ok(record.map_or(1, |r| r.attempts))
+            }
+
+            async fn dead_letter(
+                &self,
+                letter: &$crate::store::DeadLetter<'_>,
+            ) -> Result<(), $crate::StoreError> {
+                use $crate::store::sql::store_error;
+                let mut tx = self.pool.begin().await.map_err(store_error)?;
+                sqlx::query(&self.queries.dead_letter_insert)
+                    .bind(letter.consumer)
+                    .bind(letter.key)
+                    .bind(letter.reason.code())
+                    .bind(letter.error)
+                    .bind(letter.message.id.as_deref())
+                    .bind(letter.message.key.as_deref())
+                    .bind(letter.message.headers.to_json().to_string())
+                    .bind(letter.message.payload.as_slice())
+                    .bind(letter.meta.source.as_str())
+                    .bind(letter.meta.topic.as_deref())
+                    .bind(letter.meta.partition.map(i64::from))
+                    .bind(letter.meta.offset)
+                    .bind(i64::from(letter.meta.delivery_count))
+                    .bind(i64::from(letter.attempts))
+                    .bind($crate::store::now_ms())
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+                if let Some(key) = letter.key {
+                    sqlx::query(&self.queries.clear_attempts)
+                        .bind(letter.consumer)
+                        .bind(key)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(store_error)?;
+                }
+                tx.commit().await.map_err(store_error)
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl $crate::store::StoreAdmin for $store {
+            async fn migrate(&self) -> Result<(), $crate::StoreError> {
+                use sqlx::Row;
+                use $crate::store::sql::store_error;
+                let q = &self.queries;
+                let mut tx = self.pool.begin().await.map_err(store_error)?;
+                if let Some(lock) = &q.migrate_lock {
+                    sqlx::query(lock).execute(&mut *tx).await.map_err(store_error)?;
+                }
+                let outcome: Result<(), sqlx::Error> = async {
+                    sqlx::query(&q.create_migrations_table).execute(&mut *tx).await?;
+                    let applied: Vec<i64> = sqlx::query(&q.applied_versions)
+                        .fetch_all(&mut *tx)
+                        .await?
+                        .iter()
+                        .map(|r| r.try_get::<i64, _>(0))
+                        .collect::<Result<_, _>>()?;
+                    for (version, steps) in &q.migrations {
+                        if applied.contains(version) {
+                            continue;
+                        }
+                        for step in steps {
+                            sqlx::query(step).execute(&mut *tx).await?;
+                        }
+                        sqlx::query(&q.record_version)
+                            .bind(*version)
+                            .bind($crate::store::now_ms())
+                            .execute(&mut *tx)
+                            .await?;
+                        tracing::info!(version, "applied idemq schema migration");
+                    }
+                    Ok(())
+                }
+                .await;
+                if let Some(unlock) = &q.migrate_unlock {
+                    sqlx::query(unlock).execute(&mut *tx).await.map_err(store_error)?;
+                }
+                match outcome {
+                    Ok(()) => tx.commit().await.map_err(store_error),
+                    Err(e) => {
+                        let _ = tx.rollback().await;
+                        Err(store_error(e))
+                    }
+                }
+            }
+
+            async fn prune_batch(&self, cutoff_ms: i64, batch: u32) -> Result<u64, $crate::StoreError> {
+                use $crate::store::sql::store_error;
+                let deleted = sqlx::query(&self.queries.prune_inbox)
+                    .bind(cutoff_ms)
+                    .bind(i64::from(batch))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(store_error)?
+                    .rows_affected();
+                sqlx::query(&self.queries.prune_attempts)
+                    .bind(cutoff_ms)
+                    .bind(i64::from(batch))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(store_error)?;
+                Ok(deleted)
+            }
+
+            async fn inspect(
+                &self,
+                consumer: &str,
+                key: &str,
+            ) -> Result<$crate::store::KeyReport, $crate::StoreError> {
+                use $crate::store::sql::store_error;
+                let mut conn = self.pool.acquire().await.map_err(store_error)?;
+                let inbox = self
+                    .fetch_record(&mut conn, &self.queries.inspect_inbox, consumer, key)
+                    .await
+                    .map_err(store_error)?;
+                drop(conn);
+                let attempts = self.fetch_attempts(consumer, key).await.map_err(store_error)?;
+                let dead_letters = sqlx::query(&self.queries.dead_letters_of_key)
+                    .bind(consumer)
+                    .bind(key)
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(store_error)?
+                    .iter()
+                    .map(Self::dead_letter_from_row)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(store_error)?;
+                Ok($crate::store::KeyReport {
+                    inbox,
+                    in_flight: false,
+                    attempts,
+                    dead_letters,
+                })
+            }
+
+            async fn stats(&self) -> Result<Vec<$crate::store::ConsumerStats>, $crate::StoreError> {
+                use sqlx::Row;
+                use $crate::store::sql::store_error;
+                let mut by_consumer: std::collections::BTreeMap<String, $crate::store::ConsumerStats> =
+                    std::collections::BTreeMap::new();
+                let rows = sqlx::query(&self.queries.stats_inbox)
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(store_error)?;
+                for row in &rows {
+                    let consumer: String = row.try_get(0).map_err(store_error)?;
+                    let stats = by_consumer.entry(consumer.clone()).or_default();
+                    stats.consumer = consumer;
+                    stats.processed = u64::try_from(row.try_get::<i64, _>(1).map_err(store_error)?).unwrap_or(0);
+                    stats.oldest_ms = row.try_get::<Option<i64>, _>(2).map_err(store_error)?;
+                    stats.newest_ms = row.try_get::<Option<i64>, _>(3).map_err(store_error)?;
+                }
+                for (consumer, n) in self
+                    .count_by_consumer(&self.queries.stats_dead_letters)
+                    .await
+                    .map_err(store_error)?
+                {
+                    let stats = by_consumer.entry(consumer.clone()).or_default();
+                    stats.consumer = consumer;
+                    stats.dead_letters = n;
+                }
+                for (consumer, n) in self
+                    .count_by_consumer(&self.queries.stats_failing)
+                    .await
+                    .map_err(store_error)?
+                {
+                    let stats = by_consumer.entry(consumer.clone()).or_default();
+                    stats.consumer = consumer;
+                    stats.failing = n;
+                }
+                Ok(by_consumer.into_values().collect())
+            }
+
+            async fn dead_letters(
+                &self,
+                consumer: Option<&str>,
+                after_id: i64,
+                limit: u32,
+            ) -> Result<Vec<$crate::store::DeadLetterRecord>, $crate::StoreError> {
+                use $crate::store::sql::store_error;
+                let query = match consumer {
+                    Some(c) => sqlx::query(&self.queries.dead_letters_of_consumer).bind(c),
+                    None => sqlx::query(&self.queries.dead_letters_all),
+                };
+                query
+                    .bind(after_id)
+                    .bind(i64::from(limit))
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(store_error)?
+                    .iter()
+                    .map(Self::dead_letter_from_row)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(store_error)
+            }
+
+            async fn delete_dead_letter(&self, id: i64) -> Result<bool, $crate::StoreError> {
+                let n = sqlx::query(&self.queries.dead_letter_delete)
+                    .bind(id)
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::store::sql::store_error)?
+                    .rows_affected();
+                Ok(n > 0)
+            }
+        }
+    };
+}
+
+pub(crate) use sql_store;

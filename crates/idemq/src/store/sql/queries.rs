@@ -1,0 +1,415 @@
+//! All SQL of the SQL stores, per dialect, in one place.
+//!
+//! Statements are written once with `?` placeholders; PostgreSQL's are
+//! renumbered to `$1, $2, …`. Every statement binds its parameters in the
+//! same order on every dialect, so the store code is shared.
+
+use crate::error::ConfigError;
+
+/// The SQL dialects idemq speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect {
+    /// PostgreSQL.
+    Postgres,
+    /// MySQL 8 and MariaDB 10.5+.
+    MySql,
+    /// SQLite 3.35+.
+    Sqlite,
+}
+
+/// Table names, derived from a validated prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tables {
+    /// The prefix, e.g. `idemq_`.
+    pub prefix: String,
+    /// `{prefix}inbox`: one row per processed (consumer, key).
+    pub inbox: String,
+    /// `{prefix}attempts`: failed attempts, written outside business transactions.
+    pub attempts: String,
+    /// `{prefix}dead_letters`.
+    pub dead_letters: String,
+    /// `{prefix}schema_migrations`.
+    pub migrations: String,
+}
+
+impl Tables {
+    /// Table names with `prefix`, which must be a plain SQL identifier
+    /// (letters, digits, `_`; not starting with a digit; at most 40 bytes).
+    pub fn new(prefix: &str) -> Result<Self, ConfigError> {
+        let valid = !prefix.is_empty()
+            && prefix.len() <= 40
+            && prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_')
+            && !prefix.starts_with(|c: char| c.is_ascii_digit());
+        if !valid {
+            return Err(ConfigError::TablePrefix(prefix.to_owned()));
+        }
+        Ok(Self {
+            prefix: prefix.to_owned(),
+            inbox: format!("{prefix}inbox"),
+            attempts: format!("{prefix}attempts"),
+            dead_letters: format!("{prefix}dead_letters"),
+            migrations: format!("{prefix}schema_migrations"),
+        })
+    }
+}
+
+impl Default for Tables {
+    fn default() -> Self {
+        Self {
+            prefix: "idemq_".into(),
+            inbox: "idemq_inbox".into(),
+            attempts: "idemq_attempts".into(),
+            dead_letters: "idemq_dead_letters".into(),
+            migrations: "idemq_schema_migrations".into(),
+        }
+    }
+}
+
+/// The statements of one store, rendered for one dialect and table set.
+#[derive(Debug, Clone)]
+pub struct Queries {
+    /// Binds: consumer, key, fingerprint, created_at. Affects 1 row if new, 0 if the key exists.
+    pub claim: String,
+    /// Binds: consumer, key. Returns fingerprint, result_json, created_at (locking read where needed).
+    pub fetch: String,
+    /// Binds: consumer, key. Plain read of the same columns.
+    pub inspect_inbox: String,
+    /// Binds: result_json, consumer, key.
+    pub set_result: String,
+    /// Binds: consumer, key.
+    pub clear_attempts: String,
+    /// Binds: consumer, key, last_error, first_failed_at, last_failed_at.
+    pub attempt_upsert: String,
+    /// Binds: consumer, key. Returns attempts, last_error, first_failed_at, last_failed_at.
+    pub attempt_select: String,
+    /// Binds the 15 dead-letter columns in [`DEAD_LETTER_COLUMNS`] order (without id).
+    pub dead_letter_insert: String,
+    /// Binds: cutoff_ms, limit.
+    pub prune_inbox: String,
+    /// Binds: cutoff_ms, limit.
+    pub prune_attempts: String,
+    /// Returns consumer, count, min(created_at), max(created_at).
+    pub stats_inbox: String,
+    /// Returns consumer, count.
+    pub stats_dead_letters: String,
+    /// Returns consumer, count.
+    pub stats_failing: String,
+    /// Binds: after_id, limit.
+    pub dead_letters_all: String,
+    /// Binds: consumer, after_id, limit.
+    pub dead_letters_of_consumer: String,
+    /// Binds: consumer, key.
+    pub dead_letters_of_key: String,
+    /// Binds: id.
+    pub dead_letter_delete: String,
+    /// Creates the migrations table.
+    pub create_migrations_table: String,
+    /// Returns the applied versions.
+    pub applied_versions: String,
+    /// Binds: version, applied_at.
+    pub record_version: String,
+    /// Serialises concurrent migrators (run first, inside the migration transaction).
+    pub migrate_lock: Option<String>,
+    /// Releases [`migrate_lock`](Self::migrate_lock) where it outlives the transaction.
+    pub migrate_unlock: Option<String>,
+    /// Versioned schema steps, in order.
+    pub migrations: Vec<(i64, Vec<String>)>,
+}
+
+/// Dead-letter columns after `id`, in insert and select order.
+pub const DEAD_LETTER_COLUMNS: [&str; 15] = [
+    "consumer",
+    "msg_key",
+    "reason",
+    "error",
+    "message_id",
+    "transport_key",
+    "headers",
+    "payload",
+    "source",
+    "topic",
+    "source_partition",
+    "source_offset",
+    "delivery_count",
+    "attempts",
+    "created_at",
+];
+
+impl Queries {
+    /// Renders every statement for `dialect` over `tables`.
+    pub fn new(dialect: Dialect, tables: &Tables) -> Self {
+        let Tables {
+            inbox,
+            attempts,
+            dead_letters: dead,
+            migrations,
+            ..
+        } = tables;
+        // MySQL reports binary-collated columns as binary strings; convert them
+        // back to text where they are read.
+        let text = |col: &str| match dialect {
+            Dialect::MySql => format!("CONVERT({col} USING utf8mb4) AS {col}"),
+            _ => col.to_owned(),
+        };
+        let dl_cols = std::iter::once("id".to_owned())
+            .chain(DEAD_LETTER_COLUMNS.iter().map(|c| match *c {
+                "consumer" | "msg_key" => text(c),
+                other => other.to_owned(),
+            }))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let dl_placeholders = vec!["?"; DEAD_LETTER_COLUMNS.len()].join(", ");
+
+        let claim = match dialect {
+            Dialect::MySql => format!(
+                "INSERT IGNORE INTO {inbox} (consumer, msg_key, fingerprint, created_at) VALUES (?, ?, ?, ?)"
+            ),
+            _ => format!(
+                "INSERT INTO {inbox} (consumer, msg_key, fingerprint, created_at) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING"
+            ),
+        };
+        let inspect_inbox = format!(
+            "SELECT fingerprint, result_json, created_at FROM {inbox} WHERE consumer = ? AND msg_key = ?"
+        );
+        let fetch = match dialect {
+            // A locking read sees the latest committed row even under REPEATABLE READ.
+            Dialect::MySql => format!("{inspect_inbox} LOCK IN SHARE MODE"),
+            _ => inspect_inbox.clone(),
+        };
+        let attempt_upsert = match dialect {
+            Dialect::MySql => format!(
+                "INSERT INTO {attempts} (consumer, msg_key, attempts, last_error, first_failed_at, last_failed_at) \
+                 VALUES (?, ?, 1, ?, ?, ?) ON DUPLICATE KEY UPDATE attempts = attempts + 1, \
+                 last_error = VALUES(last_error), last_failed_at = VALUES(last_failed_at)"
+            ),
+            _ => format!(
+                "INSERT INTO {attempts} (consumer, msg_key, attempts, last_error, first_failed_at, last_failed_at) \
+                 VALUES (?, ?, 1, ?, ?, ?) ON CONFLICT (consumer, msg_key) DO UPDATE SET \
+                 attempts = {attempts}.attempts + 1, last_error = excluded.last_error, \
+                 last_failed_at = excluded.last_failed_at"
+            ),
+        };
+        let prune = |table: &str, column: &str| {
+            match dialect {
+            Dialect::Postgres => format!(
+                "DELETE FROM {table} WHERE ctid IN (SELECT ctid FROM {table} WHERE {column} < ? LIMIT ?)"
+            ),
+            Dialect::MySql => {
+                format!("DELETE FROM {table} WHERE {column} < ? ORDER BY {column} LIMIT ?")
+            }
+            Dialect::Sqlite => format!(
+                "DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} WHERE {column} < ? LIMIT ?)"
+            ),
+        }
+        };
+        let consumer_col = text("consumer");
+
+        let q = Queries {
+            claim,
+            fetch,
+            inspect_inbox,
+            set_result: format!(
+                "UPDATE {inbox} SET result_json = ? WHERE consumer = ? AND msg_key = ?"
+            ),
+            clear_attempts: format!("DELETE FROM {attempts} WHERE consumer = ? AND msg_key = ?"),
+            attempt_upsert,
+            attempt_select: format!(
+                "SELECT attempts, last_error, first_failed_at, last_failed_at FROM {attempts} \
+                 WHERE consumer = ? AND msg_key = ?"
+            ),
+            dead_letter_insert: format!(
+                "INSERT INTO {dead} ({}) VALUES ({dl_placeholders})",
+                DEAD_LETTER_COLUMNS.join(", ")
+            ),
+            prune_inbox: prune(inbox, "created_at"),
+            prune_attempts: prune(attempts, "last_failed_at"),
+            stats_inbox: format!(
+                "SELECT {consumer_col}, COUNT(*), MIN(created_at), MAX(created_at) FROM {inbox} GROUP BY consumer"
+            ),
+            stats_dead_letters: format!(
+                "SELECT {consumer_col}, COUNT(*) FROM {dead} GROUP BY consumer"
+            ),
+            stats_failing: format!("SELECT {consumer_col}, COUNT(*) FROM {attempts} GROUP BY consumer"),
+            dead_letters_all: format!(
+                "SELECT {dl_cols} FROM {dead} WHERE id > ? ORDER BY id LIMIT ?"
+            ),
+            dead_letters_of_consumer: format!(
+                "SELECT {dl_cols} FROM {dead} WHERE consumer = ? AND id > ? ORDER BY id LIMIT ?"
+            ),
+            dead_letters_of_key: format!(
+                "SELECT {dl_cols} FROM {dead} WHERE consumer = ? AND msg_key = ? ORDER BY id"
+            ),
+            dead_letter_delete: format!("DELETE FROM {dead} WHERE id = ?"),
+            create_migrations_table: format!(
+                "CREATE TABLE IF NOT EXISTS {migrations} (version BIGINT PRIMARY KEY, applied_at BIGINT NOT NULL)"
+            ),
+            applied_versions: format!("SELECT version FROM {migrations} ORDER BY version"),
+            record_version: format!(
+                "INSERT INTO {migrations} (version, applied_at) VALUES (?, ?)"
+            ),
+            migrate_lock: match dialect {
+                Dialect::Postgres => Some("SELECT pg_advisory_xact_lock(7243219087)".to_owned()),
+                Dialect::MySql => Some(format!("SELECT GET_LOCK('{migrations}', 60)")),
+                Dialect::Sqlite => None,
+            },
+            migrate_unlock: match dialect {
+                Dialect::MySql => Some(format!("SELECT RELEASE_LOCK('{migrations}')")),
+                _ => None,
+            },
+            migrations: vec![(1, schema_v1(dialect, tables))],
+        };
+        match dialect {
+            Dialect::Postgres => q.numbered(),
+            _ => q,
+        }
+    }
+
+    /// Rewrites `?` placeholders to PostgreSQL's `$n`.
+    fn numbered(mut self) -> Self {
+        for sql in [
+            &mut self.claim,
+            &mut self.fetch,
+            &mut self.inspect_inbox,
+            &mut self.set_result,
+            &mut self.clear_attempts,
+            &mut self.attempt_upsert,
+            &mut self.attempt_select,
+            &mut self.dead_letter_insert,
+            &mut self.prune_inbox,
+            &mut self.prune_attempts,
+            &mut self.dead_letters_all,
+            &mut self.dead_letters_of_consumer,
+            &mut self.dead_letters_of_key,
+            &mut self.dead_letter_delete,
+            &mut self.record_version,
+        ] {
+            *sql = number_placeholders(sql);
+        }
+        self
+    }
+}
+
+/// Replaces each `?` with `$1`, `$2`, … in order. The statements above
+/// contain no `?` inside literals.
+fn number_placeholders(sql: &str) -> String {
+    let mut out = String::with_capacity(sql.len() + 8);
+    let mut n = 0;
+    for c in sql.chars() {
+        if c == '?' {
+            n += 1;
+            out.push('$');
+            out.push_str(&n.to_string());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+fn schema_v1(dialect: Dialect, tables: &Tables) -> Vec<String> {
+    let Tables {
+        inbox,
+        attempts,
+        dead_letters: dead,
+        ..
+    } = tables;
+    // Keys compare byte-for-byte: a case-insensitive collation would make
+    // "Order-1" a duplicate of "order-1".
+    let (id_col, consumer, key, key_null, bytes, table_opts) = match dialect {
+        Dialect::Postgres => (
+            "id BIGSERIAL PRIMARY KEY",
+            "consumer VARCHAR(128) NOT NULL",
+            "msg_key VARCHAR(512) NOT NULL",
+            "msg_key VARCHAR(512) NULL",
+            "BYTEA",
+            "",
+        ),
+        Dialect::MySql => (
+            "id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
+            "consumer VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL",
+            "msg_key VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL",
+            "msg_key VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL",
+            "LONGBLOB",
+            " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",
+        ),
+        Dialect::Sqlite => (
+            "id INTEGER PRIMARY KEY AUTOINCREMENT",
+            "consumer TEXT NOT NULL",
+            "msg_key TEXT NOT NULL",
+            "msg_key TEXT NULL",
+            "BLOB",
+            "",
+        ),
+    };
+    // MySQL has no CREATE INDEX IF NOT EXISTS (MariaDB does): declare indexes inline there.
+    let inline_index = |name: &str, cols: &str| match dialect {
+        Dialect::MySql => format!(", INDEX {name} ({cols})"),
+        _ => String::new(),
+    };
+    let separate_index = |table: &str, name: &str, cols: &str| match dialect {
+        Dialect::MySql => None,
+        _ => Some(format!(
+            "CREATE INDEX IF NOT EXISTS {name} ON {table} ({cols})"
+        )),
+    };
+    let mut steps = vec![
+        format!(
+            "CREATE TABLE IF NOT EXISTS {inbox} ({consumer}, {key}, fingerprint VARCHAR(64) NOT NULL, \
+             result_json TEXT NULL, created_at BIGINT NOT NULL, PRIMARY KEY (consumer, msg_key){}){table_opts}",
+            inline_index(&format!("{inbox}_created_at"), "created_at")
+        ),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {attempts} ({consumer}, {key}, attempts BIGINT NOT NULL, \
+             last_error TEXT NOT NULL, first_failed_at BIGINT NOT NULL, last_failed_at BIGINT NOT NULL, \
+             PRIMARY KEY (consumer, msg_key){}){table_opts}",
+            inline_index(&format!("{attempts}_last_failed_at"), "last_failed_at")
+        ),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {dead} ({id_col}, {consumer}, {key_null}, reason VARCHAR(64) NOT NULL, \
+             error TEXT NOT NULL, message_id TEXT NULL, transport_key TEXT NULL, headers TEXT NOT NULL, \
+             payload {bytes} NOT NULL, source VARCHAR(64) NOT NULL, topic TEXT NULL, source_partition BIGINT NULL, \
+             source_offset BIGINT NULL, delivery_count BIGINT NOT NULL, attempts BIGINT NOT NULL, \
+             created_at BIGINT NOT NULL{}){table_opts}",
+            inline_index(&format!("{dead}_consumer_key"), "consumer, msg_key")
+        ),
+    ];
+    steps.extend(
+        [
+            separate_index(inbox, &format!("{inbox}_created_at"), "created_at"),
+            separate_index(
+                attempts,
+                &format!("{attempts}_last_failed_at"),
+                "last_failed_at",
+            ),
+            separate_index(dead, &format!("{dead}_consumer_key"), "consumer, msg_key"),
+        ]
+        .into_iter()
+        .flatten(),
+    );
+    steps
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefixes_are_validated() {
+        assert!(Tables::new("idemq_").is_ok());
+        assert!(Tables::new("app2_inbox_").is_ok());
+        for bad in ["", "1x", "a-b", "a;drop table x;--", "a b", &"x".repeat(41)] {
+            assert!(Tables::new(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn postgres_placeholders_are_numbered() {
+        let q = Queries::new(Dialect::Postgres, &Tables::default());
+        assert!(q.claim.contains("VALUES ($1, $2, $3, $4)"), "{}", q.claim);
+        assert!(!q.dead_letter_insert.contains('?'));
+        let m = Queries::new(Dialect::MySql, &Tables::default());
+        assert!(m.claim.starts_with("INSERT IGNORE"));
+    }
+}
