@@ -56,7 +56,7 @@ pub mod source;
 pub mod store;
 pub mod template;
 
-pub use engine::{Consumer, ConsumerBuilder, Context, Handler, HandlerResult};
+pub use engine::{handler_fn, Consumer, ConsumerBuilder, Context, Handler, HandlerResult};
 pub use error::{ConfigError, HandlerError, InputError, SourceError, StoreError};
 pub use fingerprint::FingerprintSpec;
 pub use key::KeySpec;

@@ -51,3 +51,26 @@ where
         (self.0)(ctx, tx)
     }
 }
+
+/// Makes a [`Handler`] from a closure `|ctx, tx| Box::pin(async move { … })`.
+///
+/// Writing the closure as the argument of this function lets Rust infer
+/// its higher-ranked signature.
+pub fn handler_fn<Tx, F>(f: F) -> FnHandler<F>
+where
+    F: for<'a> Fn(&'a Context<'a>, &'a mut Tx) -> BoxFuture<'a, HandlerResult>
+        + Send
+        + Sync
+        + 'static,
+{
+    FnHandler(f)
+}
+
+impl<Tx, H> Handler<Tx> for Box<H>
+where
+    H: Handler<Tx> + ?Sized,
+{
+    fn handle<'a>(&'a self, ctx: &'a Context<'a>, tx: &'a mut Tx) -> BoxFuture<'a, HandlerResult> {
+        (**self).handle(ctx, tx)
+    }
+}

@@ -18,4 +18,4 @@ mod handler;
 mod run;
 
 pub use consumer::{Consumer, ConsumerBuilder};
-pub use handler::{Context, FnHandler, Handler, HandlerResult};
+pub use handler::{handler_fn, Context, FnHandler, Handler, HandlerResult};

@@ -1,0 +1,322 @@
+//! Test backends: a store plus a ledger the handler writes to.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures_util::future::BoxFuture;
+use idemq::store::memory::{Lease, MemoryStore};
+use idemq::store::{Store, StoreAdmin};
+use idemq::{handler_fn, Context, Handler, HandlerError, HandlerResult};
+
+/// How the test handler behaves, by payload field `fail`:
+/// `"retry"` fails retryably `fail_times` times (all attempts if absent),
+/// `"permanent"` fails permanently, `"hang"` never finishes, `"panic"` panics.
+/// It writes its ledger row *before* failing, so a missing rollback shows.
+#[derive(Default)]
+pub struct Plan {
+    failures: Mutex<HashMap<String, u32>>,
+    hung: Mutex<std::collections::HashSet<String>>,
+    pub calls: AtomicU32,
+}
+
+impl Plan {
+    /// Decides whether this call fails, after the effect was written.
+    pub fn verdict(&self, ctx: &Context<'_>) -> HandlerResult {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let payload: serde_json::Value = ctx.message.json().map_err(HandlerError::permanent)?;
+        match payload["fail"].as_str() {
+            Some("retry") => {
+                let mut failures = self.failures.lock().unwrap();
+                let n = failures.entry(ctx.key.to_owned()).or_default();
+                *n += 1;
+                let limit = payload["fail_times"]
+                    .as_u64()
+                    .map_or(u32::MAX, |t| t as u32);
+                if *n <= limit {
+                    return Err(HandlerError::retryable(format!("flaky call {n}")));
+                }
+            }
+            Some("permanent") => return Err(HandlerError::permanent("rejected by business rule")),
+            Some("panic") => panic!("handler bug"),
+            _ => {}
+        }
+        Ok(Some(serde_json::json!({ "amount": payload["amount"] })))
+    }
+
+    pub fn amount(ctx: &Context<'_>) -> i64 {
+        ctx.message
+            .json()
+            .ok()
+            .and_then(|v| v["amount"].as_i64())
+            .unwrap_or(0)
+    }
+
+    /// `"hang"` hangs the first call for a key only (the "crashed" one).
+    pub fn hangs(&self, ctx: &Context<'_>) -> bool {
+        let wants = ctx
+            .message
+            .json()
+            .ok()
+            .is_some_and(|v| v["fail"].as_str() == Some("hang"));
+        wants && self.hung.lock().unwrap().insert(ctx.key.to_owned())
+    }
+}
+
+/// A store under test with its ledger.
+#[async_trait]
+pub trait Backend: Sized + Send + Sync + 'static {
+    type S: Store + StoreAdmin + Clone;
+    /// A fresh store with unique tables, migrated, and an empty ledger.
+    async fn fresh() -> Self;
+    fn store(&self) -> Self::S;
+    /// A handler that appends (key, amount) to the ledger as its effect.
+    fn handler(&self, plan: Arc<Plan>) -> Box<dyn Handler<<Self::S as Store>::Tx>>;
+    /// The ledger rows.
+    async fn ledger(&self) -> Vec<(String, i64)>;
+    /// Drops the tables.
+    async fn cleanup(self);
+}
+
+fn unique_prefix() -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "t{}_{}_{}_",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst),
+        fastrand::u32(..)
+    )
+}
+
+/// Everything a SQL store needs for the ledger tests.
+#[async_trait]
+pub trait SqlTestStore: Store + StoreAdmin + Clone + Sized {
+    const URL_ENV: &'static str;
+    const DEFAULT_URL: &'static str;
+    async fn open(url: &str, prefix: &str) -> Self;
+    async fn exec(&self, sql: &str);
+    fn insert_sql(table: &str) -> String;
+    async fn rows(&self, sql: &str) -> Vec<(String, i64)>;
+    fn table_prefix(&self) -> String;
+    fn write<'a>(
+        tx: &'a mut Self::Tx,
+        sql: &'a str,
+        key: &'a str,
+        amount: i64,
+    ) -> BoxFuture<'a, Result<(), HandlerError>>;
+}
+
+macro_rules! sql_test_store {
+    ($store:ty, $db:ty, $env:literal, $url:literal, $insert:literal) => {
+        #[async_trait]
+        impl SqlTestStore for $store {
+            const URL_ENV: &'static str = $env;
+            const DEFAULT_URL: &'static str = $url;
+            async fn open(url: &str, prefix: &str) -> Self {
+                let options = idemq::store::sql::SqlOptions::default().table_prefix(prefix);
+                <$store>::connect_with(url, options)
+                    .await
+                    .expect("connect to the test database")
+            }
+            async fn exec(&self, sql: &str) {
+                sqlx::query(sql).execute(self.pool()).await.expect(sql);
+            }
+            fn insert_sql(table: &str) -> String {
+                format!($insert, table)
+            }
+            async fn rows(&self, sql: &str) -> Vec<(String, i64)> {
+                sqlx::query_as::<$db, (String, i64)>(sql)
+                    .fetch_all(self.pool())
+                    .await
+                    .expect(sql)
+            }
+            fn table_prefix(&self) -> String {
+                self.tables().prefix.clone()
+            }
+            fn write<'a>(
+                tx: &'a mut Self::Tx,
+                sql: &'a str,
+                key: &'a str,
+                amount: i64,
+            ) -> BoxFuture<'a, Result<(), HandlerError>> {
+                Box::pin(async move {
+                    sqlx::query(sql)
+                        .bind(key)
+                        .bind(amount)
+                        .execute(&mut **tx)
+                        .await?;
+                    Ok(())
+                })
+            }
+        }
+    };
+}
+
+#[cfg(feature = "postgres")]
+sql_test_store!(
+    idemq::store::sql::postgres::PostgresStore,
+    sqlx::Postgres,
+    "IDEMQ_TEST_POSTGRES",
+    "postgres://postgres@127.0.0.1:5432/test",
+    "INSERT INTO {} (msg_key, amount) VALUES ($1, $2)"
+);
+#[cfg(feature = "mysql")]
+sql_test_store!(
+    idemq::store::sql::mysql::MySqlStore,
+    sqlx::MySql,
+    "IDEMQ_TEST_MYSQL",
+    "mysql://root@127.0.0.1:3306/test",
+    "INSERT INTO {} (msg_key, amount) VALUES (?, ?)"
+);
+#[cfg(feature = "sqlite")]
+sql_test_store!(
+    idemq::store::sql::sqlite::SqliteStore,
+    sqlx::Sqlite,
+    "IDEMQ_TEST_SQLITE_DIR",
+    "",
+    "INSERT INTO {} (msg_key, amount) VALUES (?, ?)"
+);
+
+/// A SQL store whose handler writes the ledger through the claim's transaction.
+pub struct SqlBackend<S> {
+    store: S,
+    ledger: String,
+    insert: Arc<str>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+#[async_trait]
+impl<S: SqlTestStore> Backend for SqlBackend<S>
+where
+    S::Tx: Send,
+{
+    type S = S;
+
+    async fn fresh() -> Self {
+        let prefix = unique_prefix();
+        let (url, dir) = if S::DEFAULT_URL.is_empty() {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let url = format!("sqlite://{}", dir.path().join("test.db").display());
+            (url, Some(dir))
+        } else {
+            (
+                std::env::var(S::URL_ENV).unwrap_or_else(|_| S::DEFAULT_URL.to_owned()),
+                None,
+            )
+        };
+        let store = S::open(&url, &prefix).await;
+        store.migrate().await.expect("migrate");
+        let ledger = format!("{prefix}ledger");
+        store
+            .exec(&format!(
+                "CREATE TABLE {ledger} (msg_key VARCHAR(600) NOT NULL, amount BIGINT NOT NULL)"
+            ))
+            .await;
+        Self {
+            insert: S::insert_sql(&ledger).into(),
+            store,
+            ledger,
+            _dir: dir,
+        }
+    }
+
+    fn store(&self) -> S {
+        self.store.clone()
+    }
+
+    fn handler(&self, plan: Arc<Plan>) -> Box<dyn Handler<S::Tx>> {
+        let insert = Arc::clone(&self.insert);
+        Box::new(handler_fn(move |ctx: &Context<'_>, tx: &mut S::Tx| {
+            let plan = Arc::clone(&plan);
+            let insert = Arc::clone(&insert);
+            Box::pin(async move {
+                S::write(tx, &insert, ctx.key, Plan::amount(ctx)).await?;
+                if plan.hangs(ctx) {
+                    std::future::pending::<()>().await;
+                }
+                plan.verdict(ctx)
+            })
+        }))
+    }
+
+    async fn ledger(&self) -> Vec<(String, i64)> {
+        let mut rows = self
+            .store
+            .rows(&format!(
+                "SELECT msg_key, amount FROM {} ORDER BY msg_key",
+                self.ledger
+            ))
+            .await;
+        rows.sort();
+        rows
+    }
+
+    async fn cleanup(self) {
+        let p = self.store.table_prefix();
+        for t in [
+            "inbox",
+            "attempts",
+            "dead_letters",
+            "schema_migrations",
+            "ledger",
+        ] {
+            self.store
+                .exec(&format!("DROP TABLE IF EXISTS {p}{t}"))
+                .await;
+        }
+    }
+}
+
+/// The memory lease store; its ledger is in process and written only on
+/// success (a lease store cannot roll back the handler's effects).
+pub struct MemoryBackend {
+    store: MemoryStore,
+    ledger: Arc<Mutex<Vec<(String, i64)>>>,
+}
+
+#[async_trait]
+impl Backend for MemoryBackend {
+    type S = MemoryStore;
+
+    async fn fresh() -> Self {
+        Self {
+            store: MemoryStore::new(),
+            ledger: Arc::default(),
+        }
+    }
+
+    fn store(&self) -> MemoryStore {
+        self.store.clone()
+    }
+
+    fn handler(&self, plan: Arc<Plan>) -> Box<dyn Handler<Lease>> {
+        let ledger = Arc::clone(&self.ledger);
+        Box::new(handler_fn(move |ctx: &Context<'_>, _lease: &mut Lease| {
+            let plan = Arc::clone(&plan);
+            let ledger = Arc::clone(&ledger);
+            Box::pin(async move {
+                if plan.hangs(ctx) {
+                    std::future::pending::<()>().await;
+                }
+                // Give concurrent duplicates a chance to meet the live lease.
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                let verdict = plan.verdict(ctx)?;
+                ledger
+                    .lock()
+                    .unwrap()
+                    .push((ctx.key.to_owned(), Plan::amount(ctx)));
+                Ok(verdict)
+            })
+        }))
+    }
+
+    async fn ledger(&self) -> Vec<(String, i64)> {
+        let mut rows = self.ledger.lock().unwrap().clone();
+        rows.sort();
+        rows
+    }
+
+    async fn cleanup(self) {}
+}

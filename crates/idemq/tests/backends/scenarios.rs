@@ -1,0 +1,478 @@
+//! The scenarios, generic over [`Backend`].
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idemq::source::queue::{MemoryQueue, QueueSource};
+use idemq::source::{Acknowledger, Delivery, Source};
+use idemq::store::{now_ms, StoreAdmin};
+use idemq::{
+    Consumer, ConsumerBuilder, KeySpec, Message, Outcome, OutcomeKind, RetryPolicy, SourceError,
+    Summary,
+};
+
+use crate::backend::{Backend, Plan};
+
+macro_rules! suite {
+    ($backend:ty) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn exactly_once_under_concurrency() {
+            crate::scenarios::exactly_once_under_concurrency::<$backend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn retryable_failure_rolls_back_and_retries_once() {
+            crate::scenarios::retryable_failure_rolls_back_and_retries_once::<$backend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn poison_messages_are_dead_lettered() {
+            crate::scenarios::poison_messages_are_dead_lettered::<$backend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn crash_before_commit_is_redelivered_and_applied_once() {
+            crate::scenarios::crash_before_commit_is_redelivered_and_applied_once::<$backend>()
+                .await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn crash_after_commit_before_ack_is_a_duplicate() {
+            crate::scenarios::crash_after_commit_before_ack_is_a_duplicate::<$backend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn conflicts_are_reported_and_results_replayed() {
+            crate::scenarios::conflicts_are_reported_and_results_replayed::<$backend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn bad_input_is_dead_lettered_with_its_reason() {
+            crate::scenarios::bad_input_is_dead_lettered_with_its_reason::<$backend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn pruning_removes_only_rows_past_the_window() {
+            crate::scenarios::pruning_removes_only_rows_past_the_window::<$backend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn migrations_are_idempotent_under_concurrency() {
+            crate::scenarios::migrations_are_idempotent_under_concurrency::<$backend>().await
+        }
+    };
+}
+pub(crate) use suite;
+
+fn fast_retries(max_attempts: u32) -> RetryPolicy {
+    RetryPolicy {
+        max_attempts,
+        initial_backoff: Duration::from_millis(5),
+        max_backoff: Duration::from_millis(20),
+        jitter: 0.0,
+        busy_delay: Duration::from_millis(5),
+        ..RetryPolicy::default()
+    }
+}
+
+fn consumer<B: Backend>(backend: &B, name: &str, plan: &Arc<Plan>) -> ConsumerBuilder<B::S> {
+    Consumer::builder(name, backend.store())
+        .key(KeySpec::json("/k"))
+        .handler(backend.handler(Arc::clone(plan)))
+        .retry(fast_retries(3))
+}
+
+fn msg(key: &str, amount: i64) -> Message {
+    Message::new(serde_json::json!({ "k": key, "amount": amount }).to_string())
+}
+
+fn failing(key: &str, fail: &str) -> Message {
+    Message::new(serde_json::json!({ "k": key, "amount": 1, "fail": fail }).to_string())
+}
+
+fn queue_of(messages: impl IntoIterator<Item = Message>) -> MemoryQueue {
+    let queue = MemoryQueue::new("test");
+    for m in messages {
+        queue.push(m);
+    }
+    queue.close();
+    queue
+}
+
+fn recorder() -> (
+    Arc<Mutex<Vec<Outcome>>>,
+    impl Fn(&Outcome) + Send + Sync + 'static,
+) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&seen);
+    (seen, move |o: &Outcome| {
+        sink.lock().unwrap().push(o.clone())
+    })
+}
+
+async fn run<B: Backend>(builder: ConsumerBuilder<B::S>, queue: &MemoryQueue) -> Summary {
+    let consumer = builder.build().expect("consumer");
+    tokio::time::timeout(Duration::from_secs(60), consumer.run(queue.source()))
+        .await
+        .expect("run finished in time")
+        .expect("run")
+}
+
+pub async fn exactly_once_under_concurrency<B: Backend>() {
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let mut messages = Vec::new();
+    let mut expected_sum = 0;
+    for i in 0..1000i64 {
+        let copies = 1 + fastrand::usize(..3);
+        for _ in 0..copies {
+            messages.push(msg(&format!("key-{i}"), i));
+        }
+        expected_sum += i;
+    }
+    // Half the duplicates arrive back to back (racing claims), the rest anywhere.
+    let mut tail = messages.split_off(messages.len() / 2);
+    fastrand::shuffle(&mut tail);
+    messages.extend(tail);
+    let total = messages.len() as u64;
+    let queue = queue_of(messages);
+
+    let workers: Vec<_> = (0..8)
+        .map(|w| {
+            let consumer = consumer(&backend, "ledger", &plan)
+                .concurrency(4)
+                .build()
+                .unwrap();
+            let source = queue.source();
+            tokio::spawn(async move {
+                let _ = w;
+                consumer.run(source).await
+            })
+        })
+        .collect();
+    let mut processed = 0;
+    let mut duplicates = 0;
+    for w in workers {
+        let summary = tokio::time::timeout(Duration::from_secs(120), w)
+            .await
+            .expect("workers finish")
+            .unwrap()
+            .unwrap();
+        processed += summary.count(OutcomeKind::Processed);
+        duplicates += summary.count(OutcomeKind::Duplicate);
+        assert_eq!(summary.count(OutcomeKind::DeadLettered), 0);
+        assert_eq!(summary.count(OutcomeKind::Conflict), 0);
+    }
+    assert_eq!(processed, 1000);
+    assert_eq!(processed + duplicates, total);
+    assert_eq!(queue.acked(), total, "every delivery acked once settled");
+
+    let ledger = backend.ledger().await;
+    assert_eq!(ledger.len(), 1000, "one effect per distinct key");
+    let mut keys: Vec<_> = ledger.iter().map(|(k, _)| k.clone()).collect();
+    keys.dedup();
+    assert_eq!(keys.len(), 1000);
+    assert_eq!(ledger.iter().map(|(_, a)| a).sum::<i64>(), expected_sum);
+    backend.cleanup().await;
+}
+
+pub async fn retryable_failure_rolls_back_and_retries_once<B: Backend>() {
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let flaky = Message::new(r#"{"k":"flaky","amount":5,"fail":"retry","fail_times":2}"#);
+    let queue = queue_of([flaky, msg("steady", 1)]);
+    let summary = run::<B>(consumer(&backend, "ledger", &plan), &queue).await;
+
+    assert_eq!(summary.count(OutcomeKind::Processed), 2);
+    assert_eq!(summary.count(OutcomeKind::RetryLater), 2);
+    assert_eq!(plan.calls.load(std::sync::atomic::Ordering::SeqCst), 4);
+    assert_eq!(
+        backend.ledger().await,
+        vec![("flaky".to_owned(), 5), ("steady".to_owned(), 1)],
+        "the failed attempts' writes were rolled back"
+    );
+    let report = backend.store().inspect("ledger", "flaky").await.unwrap();
+    assert!(report.inbox.is_some());
+    assert!(report.attempts.is_none(), "attempts are cleared on success");
+    backend.cleanup().await;
+}
+
+pub async fn poison_messages_are_dead_lettered<B: Backend>() {
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let queue = queue_of([
+        failing("poison", "retry"),
+        failing("rejected", "permanent"),
+        failing("buggy", "panic"),
+        msg("fine", 2),
+    ]);
+    let summary = run::<B>(consumer(&backend, "ledger", &plan), &queue).await;
+
+    assert_eq!(summary.count(OutcomeKind::Processed), 1);
+    assert_eq!(summary.count(OutcomeKind::DeadLettered), 3);
+    assert_eq!(
+        summary.count(OutcomeKind::RetryLater),
+        4,
+        "2 retries each for poison and buggy"
+    );
+    assert_eq!(
+        queue.acked(),
+        4,
+        "dead letters are acked, nothing left behind"
+    );
+    assert_eq!(backend.ledger().await, vec![("fine".to_owned(), 2)]);
+
+    let store = backend.store();
+    let poison = store.inspect("ledger", "poison").await.unwrap();
+    assert!(poison.inbox.is_none());
+    assert!(
+        poison.attempts.is_none(),
+        "attempts cleared once dead-lettered"
+    );
+    assert_eq!(poison.dead_letters.len(), 1);
+    assert_eq!(poison.dead_letters[0].reason, "retries_exhausted");
+    assert_eq!(
+        poison.dead_letters[0].attempts, 3,
+        "attempts survived the rollbacks"
+    );
+    assert_eq!(poison.dead_letters[0].message, failing("poison", "retry"));
+
+    let rejected = store.inspect("ledger", "rejected").await.unwrap();
+    assert_eq!(rejected.dead_letters[0].reason, "permanent_failure");
+    assert!(rejected.dead_letters[0].error.contains("business rule"));
+    let buggy = store.inspect("ledger", "buggy").await.unwrap();
+    assert_eq!(buggy.dead_letters[0].reason, "retries_exhausted");
+    assert!(
+        buggy.dead_letters[0].error.contains("panicked"),
+        "{}",
+        buggy.dead_letters[0].error
+    );
+    backend.cleanup().await;
+}
+
+pub async fn crash_before_commit_is_redelivered_and_applied_once<B: Backend>() {
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let hang = Message::new(r#"{"k":"h","amount":7,"fail":"hang"}"#);
+    let queue = queue_of([hang]);
+    // The first worker claims, writes its effect, and dies before committing.
+    let first = consumer(&backend, "ledger", &plan)
+        .lease(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let source = queue.source();
+    let crashed = tokio::spawn(async move { first.run(source).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    crashed.abort();
+    let _ = crashed.await;
+
+    let second = consumer(&backend, "ledger", &plan).lease(Duration::from_millis(300));
+    let summary = run::<B>(second, &queue).await;
+    assert_eq!(summary.count(OutcomeKind::Processed), 1);
+    assert_eq!(
+        backend.ledger().await,
+        vec![("h".to_owned(), 7)],
+        "applied exactly once"
+    );
+    assert_eq!(queue.acked(), 1);
+    backend.cleanup().await;
+}
+
+/// Loses the ack of the first `lose` deliveries, as when a consumer dies
+/// between the commit and the ack: the queue redelivers them.
+struct LosingAcks {
+    inner: QueueSource,
+    lose: usize,
+}
+
+struct LostAck(#[allow(dead_code)] Box<dyn Acknowledger>);
+
+#[async_trait::async_trait]
+impl Acknowledger for LostAck {
+    async fn ack(self: Box<Self>) -> Result<(), SourceError> {
+        Ok(()) // dropping the inner acknowledger unsettled makes the queue redeliver
+    }
+    async fn nack(self: Box<Self>, delay: Duration) -> Result<(), SourceError> {
+        self.0.nack(delay).await
+    }
+}
+
+#[async_trait::async_trait]
+impl Source for LosingAcks {
+    async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
+        let Some(delivery) = self.inner.next().await? else {
+            return Ok(None);
+        };
+        if self.lose == 0 {
+            return Ok(Some(delivery));
+        }
+        self.lose -= 1;
+        let (message, meta, _, acker) = delivery.into_parts();
+        Ok(Some(Delivery::new(message, meta, Box::new(LostAck(acker)))))
+    }
+}
+
+pub async fn crash_after_commit_before_ack_is_a_duplicate<B: Backend>() {
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let queue = queue_of([msg("paid", 9)]);
+    let consumer = consumer(&backend, "ledger", &plan).build().unwrap();
+    let summary = consumer
+        .run(LosingAcks {
+            inner: queue.source(),
+            lose: 1,
+        })
+        .await
+        .unwrap();
+    assert_eq!(summary.count(OutcomeKind::Processed), 1);
+    assert_eq!(
+        summary.count(OutcomeKind::Duplicate),
+        1,
+        "the redelivery after the lost ack"
+    );
+    assert_eq!(backend.ledger().await, vec![("paid".to_owned(), 9)]);
+    assert_eq!(queue.acked(), 1);
+    backend.cleanup().await;
+}
+
+pub async fn conflicts_are_reported_and_results_replayed<B: Backend>() {
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let queue = queue_of([msg("c", 5), msg("c", 5), msg("c", 6)]);
+    let (seen, hook) = recorder();
+    run::<B>(
+        consumer(&backend, "ledger", &plan)
+            .concurrency(1)
+            .on_outcome(hook),
+        &queue,
+    )
+    .await;
+
+    let seen = seen.lock().unwrap().clone();
+    let kinds: Vec<_> = seen.iter().map(Outcome::kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            OutcomeKind::Processed,
+            OutcomeKind::Duplicate,
+            OutcomeKind::Conflict
+        ]
+    );
+    let Outcome::Duplicate { record } = &seen[1] else {
+        unreachable!()
+    };
+    assert_eq!(
+        record.result,
+        Some(serde_json::json!({ "amount": 5 })),
+        "stored result replayed"
+    );
+    let report = backend.store().inspect("ledger", "c").await.unwrap();
+    assert_eq!(report.dead_letters.len(), 1);
+    assert_eq!(report.dead_letters[0].reason, "conflict");
+    assert_eq!(report.dead_letters[0].message, msg("c", 6));
+    assert_eq!(backend.ledger().await, vec![("c".to_owned(), 5)]);
+    backend.cleanup().await;
+}
+
+pub async fn bad_input_is_dead_lettered_with_its_reason<B: Backend>() {
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let sneaky = "k'); DROP TABLE ledger; --\"\\";
+    let long_key = "x".repeat(idemq::key::MAX_KEY_BYTES + 1);
+    let inputs = vec![
+        (Message::new(r#"{"amount":1}"#), Some("missing_key")),
+        (Message::new("not json at all"), Some("malformed_json")),
+        (msg(&long_key, 1), Some("key_too_long")),
+        (Message::new(r#"{"k":"","amount":1}"#), Some("empty_key")),
+        (
+            Message::new(r#"{"k":{"nested":1},"amount":1}"#),
+            Some("invalid_key_value"),
+        ),
+        (
+            msg("ignored", 1).with_header("event_id", vec![0xff, 0xfe]),
+            Some("header_not_utf8"),
+        ),
+        (msg(sneaky, 3), None),
+        (msg("Order-1", 1), None),
+        (msg("order-1", 1), None),
+        (msg("ключ-🔑", 4), None),
+    ];
+    let queue = queue_of(inputs.iter().map(|(m, _)| m.clone()));
+    let builder =
+        consumer(&backend, "ledger", &plan).key("header:event_id|json:/k".parse().unwrap());
+    let summary = run::<B>(builder, &queue).await;
+    assert_eq!(summary.count(OutcomeKind::DeadLettered), 6);
+    assert_eq!(summary.count(OutcomeKind::Processed), 4);
+    assert_eq!(queue.acked(), inputs.len() as u64, "nothing lost");
+
+    let letters = backend
+        .store()
+        .dead_letters(Some("ledger"), 0, 100)
+        .await
+        .unwrap();
+    let mut got: Vec<(String, Message)> = letters
+        .iter()
+        .map(|d| (d.reason.clone(), d.message.clone()))
+        .collect();
+    let mut want: Vec<(String, Message)> = inputs
+        .iter()
+        .filter_map(|(m, r)| r.map(|r| (r.to_owned(), m.clone())))
+        .collect();
+    got.sort_by(|a, b| a.0.cmp(&b.0));
+    want.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        got, want,
+        "each bad message dead-lettered whole, with its reason"
+    );
+
+    let mut expected = vec![
+        ("Order-1".to_owned(), 1),
+        ("order-1".to_owned(), 1),
+        (sneaky.to_owned(), 3),
+        ("ключ-🔑".to_owned(), 4),
+    ];
+    expected.sort();
+    assert_eq!(
+        backend.ledger().await,
+        expected,
+        "keys stored verbatim, case-sensitive"
+    );
+    backend.cleanup().await;
+}
+
+pub async fn pruning_removes_only_rows_past_the_window<B: Backend>() {
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let old = queue_of((0..5).map(|i| msg(&format!("old-{i}"), 1)));
+    run::<B>(consumer(&backend, "ledger", &plan), &old).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let cutoff = now_ms();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let new = queue_of((0..3).map(|i| msg(&format!("new-{i}"), 1)));
+    run::<B>(consumer(&backend, "ledger", &plan), &new).await;
+
+    let store = backend.store();
+    let pruned = idemq::retention::prune_before(&store, cutoff, 2, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(pruned, 5, "in batches of 2");
+    assert!(store
+        .inspect("ledger", "old-0")
+        .await
+        .unwrap()
+        .inbox
+        .is_none());
+    assert!(store
+        .inspect("ledger", "new-0")
+        .await
+        .unwrap()
+        .inbox
+        .is_some());
+    let stats = store.stats().await.unwrap();
+    assert_eq!(stats.len(), 1);
+    assert_eq!(stats[0].processed, 3);
+    assert!(stats[0].oldest_ms.unwrap() >= cutoff);
+    backend.cleanup().await;
+}
+
+pub async fn migrations_are_idempotent_under_concurrency<B: Backend>() {
+    let backend = B::fresh().await;
+    let (a, b) = (backend.store(), backend.store());
+    let (ra, rb) = tokio::join!(a.migrate(), b.migrate());
+    ra.unwrap();
+    rb.unwrap();
+    backend.store().migrate().await.unwrap();
+    backend.cleanup().await;
+}
