@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Makes sure the databases the tests use answer on 127.0.0.1, starting them
+# with this machine's documented commands if they do not, and creates the
+# `test` databases. Idempotent.
+set -euo pipefail
+
+wait_for() { # name, check command...
+  local name=$1; shift
+  for _ in $(seq 1 60); do
+    if "$@" >/dev/null 2>&1; then return 0; fi
+    sleep 1
+  done
+  echo "services: $name does not answer" >&2
+  return 1
+}
+
+if ! pg_isready -h 127.0.0.1 -p 5432 >/dev/null 2>&1; then
+  echo "services: starting PostgreSQL"
+  pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start || true
+fi
+wait_for PostgreSQL pg_isready -h 127.0.0.1 -p 5432
+if ! psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'test'" | grep -q 1; then
+  psql -h 127.0.0.1 -U postgres -c "CREATE DATABASE test" >/dev/null
+fi
+
+if ! mariadb -h 127.0.0.1 -uroot -e 'SELECT 1' >/dev/null 2>&1; then
+  echo "services: starting MariaDB"
+  start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd || true
+fi
+wait_for MariaDB mariadb -h 127.0.0.1 -uroot -e 'SELECT 1'
+mariadb -h 127.0.0.1 -uroot -e 'CREATE DATABASE IF NOT EXISTS test'
