@@ -70,3 +70,37 @@ where
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::memory::MemoryStore;
+    use crate::store::{Claim, ClaimRequest, Store};
+
+    #[tokio::test]
+    async fn background_pruner_removes_expired_rows() {
+        let store = Arc::new(MemoryStore::new());
+        for key in ["a", "b", "c"] {
+            let req = ClaimRequest {
+                consumer: "c",
+                key,
+                fingerprint: "f",
+                lease: Duration::from_secs(30),
+            };
+            let Claim::New(lease) = store.claim(&req).await.unwrap() else {
+                panic!("new key")
+            };
+            store.commit(lease, &req, None).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let policy = RetentionPolicy {
+            keep_for: Duration::from_millis(1),
+            batch_size: 2,
+            pause: Duration::ZERO,
+        };
+        let pruner = spawn_pruner(Arc::clone(&store), policy, Duration::from_millis(10));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        pruner.abort();
+        assert!(store.stats().await.unwrap().is_empty(), "all rows pruned");
+    }
+}
