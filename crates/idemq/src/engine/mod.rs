@@ -17,5 +17,5 @@ mod consumer;
 mod handler;
 mod run;
 
-pub use consumer::{Consumer, ConsumerBuilder};
+pub use consumer::{validate_consumer_name, Consumer, ConsumerBuilder};
 pub use handler::{handler_fn, Context, FnHandler, Handler, HandlerResult};

@@ -31,6 +31,9 @@ pub struct SqlOptions {
     /// Maximum pooled connections. `None` picks the backend's default
     /// (10 for PostgreSQL and MySQL; 1 for SQLite, which has one writer anyway).
     pub max_connections: Option<u32>,
+    /// How long to wait for a connection (also bounds the first connect to
+    /// an unreachable server). Default 10 s.
+    pub acquire_timeout: std::time::Duration,
 }
 
 impl Default for SqlOptions {
@@ -38,6 +41,7 @@ impl Default for SqlOptions {
         Self {
             table_prefix: "idemq_".to_owned(),
             max_connections: None,
+            acquire_timeout: std::time::Duration::from_secs(10),
         }
     }
 }
@@ -52,6 +56,12 @@ impl SqlOptions {
     /// Sets the pool size.
     pub fn max_connections(mut self, n: u32) -> Self {
         self.max_connections = Some(n);
+        self
+    }
+
+    /// Sets how long to wait for a connection.
+    pub fn acquire_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.acquire_timeout = timeout;
         self
     }
 

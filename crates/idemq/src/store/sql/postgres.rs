@@ -7,6 +7,7 @@ use super::{sql_store, Dialect, SqlOptions};
 async fn connect_pool(url: &str, options: &SqlOptions) -> Result<PgPool, sqlx::Error> {
     PgPoolOptions::new()
         .max_connections(options.max_connections.unwrap_or(10))
+        .acquire_timeout(options.acquire_timeout)
         .connect(url)
         .await
 }

@@ -19,6 +19,7 @@ async fn connect_pool(url: &str, options: &SqlOptions) -> Result<SqlitePool, sql
         .busy_timeout(Duration::from_secs(30));
     SqlitePoolOptions::new()
         .max_connections(options.max_connections.unwrap_or(1))
+        .acquire_timeout(options.acquire_timeout)
         .connect_with(connect)
         .await
 }

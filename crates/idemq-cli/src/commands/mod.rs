@@ -1,0 +1,61 @@
+//! The subcommands, each written once, generic over [`Backend`].
+
+mod consume;
+mod dlq;
+mod inspect;
+mod migrate;
+mod prune;
+mod stats;
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use idemq::{ConsumerBuilder, RetryPolicy, StoreError};
+
+use crate::backend::{Backend, StoreUrl};
+use crate::{Command, DlqCommand, GlobalArgs, ProcessingArgs};
+
+/// Runs `command` on a connected store.
+pub async fn run<B: Backend>(
+    store: B,
+    url: &StoreUrl,
+    global: &GlobalArgs,
+    command: Command,
+) -> Result<ExitCode> {
+    match command {
+        Command::Consume(args) => consume::run(store, args).await,
+        Command::Migrate => migrate::run(&store, url, &global.table_prefix).await,
+        Command::Prune(args) => prune::run(&store, &args).await,
+        Command::Stats(args) => stats::run(&store, &args).await,
+        Command::Inspect(args) => inspect::run(&store, &args).await,
+        Command::Dlq(DlqCommand::List(args)) => dlq::list(&store, &args).await,
+        Command::Dlq(DlqCommand::Replay(args)) => dlq::replay(store, args).await,
+    }
+}
+
+/// Adds a hint to run `idemq migrate` when the store says a table is missing.
+fn admin_error(err: StoreError, doing: &str) -> anyhow::Error {
+    let text = err.to_string();
+    let missing_table = ["does not exist", "doesn't exist", "no such table"]
+        .iter()
+        .any(|m| text.contains(m));
+    let doing = if missing_table {
+        format!("{doing} (are the idemq tables missing? run `idemq migrate`)")
+    } else {
+        doing.to_owned()
+    };
+    anyhow::Error::new(err).context(doing)
+}
+
+/// Applies the key, fingerprint, retry and conflict flags to a consumer builder.
+fn configure<B: Backend>(builder: ConsumerBuilder<B>, args: &ProcessingArgs) -> ConsumerBuilder<B> {
+    builder
+        .key(args.key.clone())
+        .fingerprint(args.fingerprint.clone())
+        .retry(RetryPolicy {
+            max_attempts: args.max_attempts,
+            initial_backoff: args.backoff,
+            ..RetryPolicy::default()
+        })
+        .on_conflict(args.on_conflict.into())
+}

@@ -1,0 +1,352 @@
+//! Sinks: what happens to a newly processed message. `--apply-sql` runs a
+//! SQL template in the inbox transaction; `--print` writes a JSON line.
+
+use std::future::Future;
+use std::io::Write;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use anyhow::Result;
+use idemq::template::{Placeholder, SqlTemplate, SqlValue, ValueSpec};
+use idemq::{Context, Handler, HandlerError, HandlerResult, InputError};
+use serde_json::json;
+use sqlx::database::HasStatementCache;
+use sqlx::query::Query;
+use sqlx::{Connection, Database, Encode, Executor, IntoArguments, Pool, Transaction, Type};
+
+use crate::backend::Backend;
+use crate::{exit, SinkArgs};
+
+/// The future a [`Handler`] returns.
+type HandlerFuture<'a> = Pin<Box<dyn Future<Output = HandlerResult> + Send + 'a>>;
+
+/// A handler chosen at run time (SQL or print), boxed.
+pub type BoxedHandler<Tx> = Box<dyn Handler<Tx>>;
+
+/// Checks that every `--param` names a parameter of the template.
+pub fn check_params(template: &SqlTemplate, params: &[(String, ValueSpec)]) -> Result<()> {
+    let names = template.params();
+    for (name, _) in params {
+        if !names.contains(&name.as_str()) {
+            let known = if names.is_empty() {
+                "the statement has no parameters".to_owned()
+            } else {
+                format!("its parameters are :{}", names.join(", :"))
+            };
+            return Err(exit::usage(format!(
+                "--param {name}=…: the --apply-sql statement has no parameter :{name} ({known})"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A rendered `--apply-sql` statement and the source of each bound value.
+#[derive(Debug)]
+pub struct SqlStatement {
+    sql: String,
+    /// Whether the driver may cache the prepared statement (see [`Backend::CACHE_STATEMENTS`]).
+    cached: bool,
+    /// One per placeholder, in binding order.
+    values: Vec<ValueSpec>,
+}
+
+impl SqlStatement {
+    /// Renders `template` for a database; `params` override where values come from.
+    pub fn new(
+        template: &SqlTemplate,
+        params: &[(String, ValueSpec)],
+        placeholder: Placeholder,
+        cached: bool,
+    ) -> Self {
+        let (sql, order) = template.render(placeholder);
+        let values = order
+            .iter()
+            .map(|name| {
+                params
+                    .iter()
+                    .rev() // the last --param for a name wins
+                    .find(|(n, _)| n == name)
+                    .map(|(_, spec)| spec.clone())
+                    .unwrap_or_else(|| ValueSpec::default_for(name))
+            })
+            .collect();
+        Self {
+            sql,
+            cached,
+            values,
+        }
+    }
+
+    /// The SQL with the database's placeholders.
+    pub fn sql(&self) -> &str {
+        &self.sql
+    }
+
+    /// The values to bind for one message (the payload is parsed once).
+    fn resolve(&self, ctx: &Context<'_>) -> Result<Vec<SqlValue>, InputError> {
+        let json = ctx.message.json().ok();
+        self.values
+            .iter()
+            .map(|spec| spec.resolve(ctx, json.as_ref()))
+            .collect()
+    }
+}
+
+/// The number of rows a statement changed, for the stored result.
+pub trait RowsAffected {
+    /// Rows inserted, updated or deleted.
+    fn rows(&self) -> u64;
+}
+
+#[cfg(feature = "sqlite")]
+impl RowsAffected for sqlx::sqlite::SqliteQueryResult {
+    fn rows(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl RowsAffected for sqlx::postgres::PgQueryResult {
+    fn rows(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl RowsAffected for sqlx::mysql::MySqlQueryResult {
+    fn rows(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+/// How a database binds SQL NULL (a JSON null, an absent message id).
+pub trait BindNull: Database {
+    /// Binds NULL as the next parameter.
+    fn bind_null<'q>(
+        query: Query<'q, Self, Self::Arguments<'q>>,
+    ) -> Query<'q, Self, Self::Arguments<'q>>;
+}
+
+#[cfg(feature = "sqlite")]
+impl BindNull for sqlx::Sqlite {
+    fn bind_null<'q>(
+        query: Query<'q, Self, Self::Arguments<'q>>,
+    ) -> Query<'q, Self, Self::Arguments<'q>> {
+        query.bind(None::<String>)
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl BindNull for sqlx::MySql {
+    fn bind_null<'q>(
+        query: Query<'q, Self, Self::Arguments<'q>>,
+    ) -> Query<'q, Self, Self::Arguments<'q>> {
+        query.bind(None::<String>)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl BindNull for sqlx::Postgres {
+    fn bind_null<'q>(
+        query: Query<'q, Self, Self::Arguments<'q>>,
+    ) -> Query<'q, Self, Self::Arguments<'q>> {
+        query.bind(pg::UntypedNull)
+    }
+}
+
+/// A PostgreSQL NULL whose type the server infers from the statement, so that
+/// a JSON null fits an integer or numeric column as well as a text one (a
+/// NULL typed as text would be rejected by a non-text column).
+#[cfg(feature = "postgres")]
+mod pg {
+    use sqlx::encode::IsNull;
+    use sqlx::error::BoxDynError;
+    use sqlx::postgres::types::Oid;
+    use sqlx::postgres::{PgArgumentBuffer, PgTypeInfo};
+    use sqlx::{Encode, Postgres, Type};
+
+    /// NULL with the unspecified type (OID 0).
+    pub struct UntypedNull;
+
+    impl Type<Postgres> for UntypedNull {
+        fn type_info() -> PgTypeInfo {
+            PgTypeInfo::with_oid(Oid(0))
+        }
+    }
+
+    impl Encode<'_, Postgres> for UntypedNull {
+        fn encode_by_ref(&self, _buf: &mut PgArgumentBuffer) -> Result<IsNull, BoxDynError> {
+            Ok(IsNull::Yes)
+        }
+    }
+}
+
+/// Runs an [`SqlStatement`] per message in the transaction that claimed its key.
+pub struct SqlHandler<DB> {
+    statement: Arc<SqlStatement>,
+    _db: PhantomData<fn() -> DB>,
+}
+
+impl<DB> SqlHandler<DB> {
+    /// A handler running `statement`.
+    pub fn new(statement: Arc<SqlStatement>) -> Self {
+        Self {
+            statement,
+            _db: PhantomData,
+        }
+    }
+}
+
+impl<DB> Handler<Transaction<'static, DB>> for SqlHandler<DB>
+where
+    DB: Database + HasStatementCache + BindNull,
+    DB::QueryResult: RowsAffected,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    for<'q> String: Encode<'q, DB> + Type<DB>,
+    for<'q> bool: Encode<'q, DB> + Type<DB>,
+    for<'q> i64: Encode<'q, DB> + Type<DB>,
+    for<'q> f64: Encode<'q, DB> + Type<DB>,
+{
+    fn handle<'a>(
+        &'a self,
+        ctx: &'a Context<'a>,
+        tx: &'a mut Transaction<'static, DB>,
+    ) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            // A value the statement needs is absent or unusable: retrying cannot help.
+            let values = self
+                .statement
+                .resolve(ctx)
+                .map_err(HandlerError::permanent)?;
+            let mut query =
+                sqlx::query::<DB>(self.statement.sql()).persistent(self.statement.cached);
+            for value in values {
+                query = match value {
+                    SqlValue::Null => DB::bind_null(query),
+                    SqlValue::Bool(b) => query.bind(b),
+                    SqlValue::Int(i) => query.bind(i),
+                    SqlValue::Float(f) => query.bind(f),
+                    SqlValue::Text(s) => query.bind(s),
+                };
+            }
+            let done = query.execute(&mut **tx).await?;
+            Ok(Some(json!({ "rows_affected": done.rows() })))
+        })
+    }
+}
+
+/// Prints each processed message to stdout as `{"key":…,"payload":…}`.
+pub struct PrintHandler;
+
+impl<Tx: Send + 'static> Handler<Tx> for PrintHandler {
+    fn handle<'a>(&'a self, ctx: &'a Context<'a>, _tx: &'a mut Tx) -> HandlerFuture<'a> {
+        Box::pin(async move {
+            let payload = ctx.message.json().unwrap_or_else(|_| {
+                serde_json::Value::String(String::from_utf8_lossy(&ctx.message.payload).into())
+            });
+            let line = json!({ "key": ctx.key, "payload": payload });
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "{line}")
+                .and_then(|()| out.flush())
+                .map_err(|e| HandlerError::retryable(format!("writing to stdout: {e}")))?;
+            Ok(None)
+        })
+    }
+}
+
+/// Runs one statement on the pool, outside any transaction.
+pub async fn execute_raw<DB>(pool: &Pool<DB>, sql: &str) -> Result<(), sqlx::Error>
+where
+    DB: Database,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+{
+    sqlx::raw_sql(sql).execute(pool).await.map(|_| ())
+}
+
+/// Prepares a statement (checks syntax and tables) without running it, on a
+/// connection of its own that is closed afterwards: sqlx would otherwise keep
+/// the statement cached with the parameter types the database inferred, and
+/// PostgreSQL would reject the differently typed values bound later.
+pub async fn prepare<DB>(pool: &Pool<DB>, sql: &str) -> Result<(), sqlx::Error>
+where
+    DB: Database,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+{
+    let mut conn = pool.acquire().await?.detach();
+    let prepared = (&mut conn).prepare(sql).await.map(|_| ());
+    if let Err(e) = conn.close().await {
+        tracing::debug!(error = %e, "closing the connection used to prepare --apply-sql");
+    }
+    prepared
+}
+
+/// The sink the flags ask for: its handler, and the statement to validate.
+pub struct Sink<Tx> {
+    /// The handler for the consumer.
+    pub handler: BoxedHandler<Tx>,
+    /// The `--apply-sql` statement, if that is the sink.
+    pub statement: Option<Arc<SqlStatement>>,
+}
+
+/// Builds the sink the flags ask for (no database access yet).
+pub fn build<B: Backend>(args: &SinkArgs) -> Result<Sink<B::Tx>> {
+    match &args.target.apply_sql {
+        Some(template) => {
+            check_params(template, &args.params)?;
+            let statement = Arc::new(SqlStatement::new(
+                template,
+                &args.params,
+                B::PLACEHOLDER,
+                B::CACHE_STATEMENTS,
+            ));
+            Ok(Sink {
+                handler: B::sql_handler(Arc::clone(&statement)),
+                statement: Some(statement),
+            })
+        }
+        None => Ok(Sink {
+            handler: Box::new(PrintHandler),
+            statement: None,
+        }),
+    }
+}
+
+/// Runs the `--init-sql` statements, then prepares the `--apply-sql` statement
+/// so that a typo or a missing table fails before any message is read.
+pub async fn init<B: Backend>(
+    store: &B,
+    args: &SinkArgs,
+    statement: Option<&SqlStatement>,
+) -> Result<()> {
+    for sql in &args.init_sql {
+        store
+            .execute_raw(sql)
+            .await
+            .map_err(|e| classify(e, &format!("--init-sql {sql:?} failed")))?;
+    }
+    if let Some(statement) = statement {
+        store.prepare(statement.sql()).await.map_err(|e| {
+            classify(
+                e,
+                &format!(
+                    "the --apply-sql statement {:?} does not prepare",
+                    statement.sql()
+                ),
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// A database error at setup: transient ones are runtime errors, the rest
+/// (syntax, missing table, permissions) are configuration errors.
+fn classify(err: sqlx::Error, what: &str) -> anyhow::Error {
+    if idemq::store::sql::is_transient(&err) {
+        anyhow::Error::new(err).context(what.to_owned())
+    } else {
+        exit::usage(format!("{what}: {err}"))
+    }
+}

@@ -1,0 +1,873 @@
+//! End-to-end tests of the `idemq` binary: SQLite in a temporary directory,
+//! plus consume runs against the local PostgreSQL and MariaDB.
+//!
+//! Each test needs the backend feature it uses; in builds with only some
+//! backends, helpers of the others are unused.
+#![cfg_attr(
+    not(all(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code, unused_imports)
+)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_idemq");
+
+const CREATE_LEDGER: &str = "CREATE TABLE IF NOT EXISTS ledger (payment_id TEXT PRIMARY KEY, account TEXT NOT NULL, amount INTEGER NOT NULL)";
+const INSERT_LEDGER: &str =
+    "INSERT INTO ledger (payment_id, account, amount) VALUES (:idemq_key, :account, :amount)";
+const EVIL_ACCOUNT: &str = "x'); DROP TABLE ledger;--";
+
+/// Ten lines: p-1 and p-2 twice (redeliveries), p-3 sent twice by a producer
+/// retry (new envelope id, same payment_id), one line that is not JSON, one
+/// without payment_id, p-4 with SQL metacharacters, p-2 reused with another amount.
+const PAYMENTS: &str = r#"{"payment_id":"p-1","account":"acc-1","amount":100}
+{"payment_id":"p-2","account":"acc-2","amount":250}
+{"payment_id":"p-1","account":"acc-1","amount":100}
+{"id":"env-1","payload":{"payment_id":"p-3","account":"acc-3","amount":75}}
+{"id":"env-2","payload":{"payment_id":"p-3","account":"acc-3","amount":75}}
+this is not json
+{"account":"acc-4","amount":5}
+{"payment_id":"p-4","account":"x'); DROP TABLE ledger;--","amount":1}
+
+{"payment_id":"p-2","account":"acc-2","amount":250}
+{"payment_id":"p-2","account":"acc-2","amount":999}
+"#;
+
+const FIRST_RUN: &str =
+    "consumer payments: processed=4 duplicate=3 conflict=1 retry_later=0 dead_lettered=2";
+const NOTHING: &str =
+    "consumer payments: processed=0 duplicate=0 conflict=0 retry_later=0 dead_lettered=0";
+const FULL_RERUN: &str =
+    "consumer payments: processed=0 duplicate=7 conflict=1 retry_later=0 dead_lettered=2";
+
+/// The result of one run of the binary.
+#[derive(Debug)]
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {self:?}"))
+    }
+
+    #[track_caller]
+    fn expect_code(self, code: i32) -> Self {
+        assert_eq!(self.code, code, "unexpected exit code: {self:#?}");
+        self
+    }
+}
+
+/// Runs `idemq --store STORE ARGS…` with a clean environment, optionally feeding stdin.
+fn idemq_with_stdin(store: &str, args: &[&str], stdin: Option<&str>) -> Run {
+    let mut cmd = Command::new(BIN);
+    cmd.arg("--store")
+        .arg(store)
+        .args(args)
+        .env_remove("IDEMQ_STORE")
+        .env_remove("IDEMQ_TABLE_PREFIX")
+        .env_remove("IDEMQ_CONSUMER")
+        .env_remove("IDEMQ_LOG")
+        .env_remove("RUST_LOG")
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn idemq");
+    if let Some(input) = stdin {
+        let mut pipe = child.stdin.take().expect("stdin pipe");
+        pipe.write_all(input.as_bytes()).expect("write stdin");
+    }
+    let out = child.wait_with_output().expect("wait for idemq");
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn idemq(store: &str, args: &[&str]) -> Run {
+    idemq_with_stdin(store, args, None)
+}
+
+/// A temporary SQLite store and the payments file.
+struct Fixture {
+    dir: tempfile::TempDir,
+    store: String,
+    input: PathBuf,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let input = dir.path().join("payments.jsonl");
+        std::fs::write(&input, PAYMENTS).expect("write input");
+        let store = format!("sqlite://{}", dir.path().join("idemq.db").display());
+        Self { dir, store, input }
+    }
+
+    fn input(&self) -> &str {
+        self.input.to_str().expect("utf-8 path")
+    }
+
+    fn run(&self, args: &[&str]) -> Run {
+        idemq(&self.store, args)
+    }
+
+    /// `consume` of the payments file into the ledger, with `extra` flags.
+    fn consume(&self, extra: &[&str]) -> Run {
+        let mut args = vec![
+            "consume",
+            self.input(),
+            "--consumer",
+            "payments",
+            "--key",
+            "json:/payment_id",
+            "--concurrency",
+            "1",
+            "--init-sql",
+            CREATE_LEDGER,
+            "--apply-sql",
+            INSERT_LEDGER,
+        ];
+        args.extend_from_slice(extra);
+        self.run(&args)
+    }
+
+    #[cfg(feature = "sqlite")]
+    async fn ledger(&self) -> Vec<(String, String, i64)> {
+        let pool = sqlx::SqlitePool::connect(&self.store)
+            .await
+            .expect("open sqlite");
+        let rows = sqlx::query_as::<_, (String, String, i64)>(
+            "SELECT payment_id, account, amount FROM ledger ORDER BY payment_id",
+        )
+        .fetch_all(&pool)
+        .await
+        .expect("read ledger");
+        pool.close().await;
+        rows
+    }
+}
+
+fn expected_ledger() -> Vec<(String, String, i64)> {
+    vec![
+        ("p-1".into(), "acc-1".into(), 100),
+        ("p-2".into(), "acc-2".into(), 250),
+        ("p-3".into(), "acc-3".into(), 75),
+        ("p-4".into(), EVIL_ACCOUNT.into(), 1),
+    ]
+}
+
+fn first_line(run: &Run) -> &str {
+    run.stdout.lines().next().unwrap_or_default()
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn consume_applies_each_payment_once_and_reruns_are_harmless() {
+    let f = Fixture::new();
+    let first = f.consume(&[]).expect_code(0);
+    assert_eq!(first_line(&first), FIRST_RUN, "{first:#?}");
+    assert!(
+        first
+            .stdout
+            .contains("dead letters: idemq dlq list --consumer payments"),
+        "{first:#?}"
+    );
+    assert!(f
+        .dir
+        .path()
+        .join("payments.jsonl.payments.checkpoint")
+        .exists());
+
+    // The checkpoint is at the end: nothing is read again.
+    let second = f.consume(&[]).expect_code(0);
+    assert_eq!(second.stdout.trim(), NOTHING, "{second:#?}");
+
+    // Without it every line comes back: duplicates and the same dead letters, nothing applied.
+    let third = f.consume(&["--no-checkpoint"]).expect_code(0);
+    assert_eq!(first_line(&third), FULL_RERUN, "{third:#?}");
+
+    assert_eq!(f.ledger().await, expected_ledger());
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn sql_metacharacters_are_bound_verbatim() {
+    let f = Fixture::new();
+    f.consume(&[]).expect_code(0);
+    let ledger = f.ledger().await; // the table is still there
+    let p4 = ledger.iter().find(|(id, ..)| id == "p-4").expect("p-4 row");
+    assert_eq!(p4.1, EVIL_ACCOUNT);
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn stats_and_inspect_report_the_inbox() {
+    let f = Fixture::new();
+    f.consume(&[]).expect_code(0);
+
+    let table = f.run(&["stats"]).expect_code(0);
+    let row = table
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("payments"))
+        .unwrap_or_else(|| panic!("no payments row: {table:#?}"));
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(cells[1], "4", "{row}"); // processed
+    assert_eq!(cells[4], "3", "{row}"); // dead letters
+    assert_eq!(cells[5], "0", "{row}"); // failing
+
+    let stats = f.run(&["stats", "--json"]).expect_code(0).json();
+    let payments = &stats[0];
+    assert_eq!(payments["consumer"], "payments");
+    assert_eq!(payments["processed"], 4);
+    assert_eq!(payments["dead_letters"], 3);
+    assert!(payments["oldest"]
+        .as_str()
+        .is_some_and(|t| t.ends_with('Z')));
+
+    let text = f
+        .run(&["inspect", "--consumer", "payments", "--key", "p-2"])
+        .expect_code(0);
+    assert!(text.stdout.contains("processed at"), "{text:#?}");
+    assert!(text.stdout.contains("rows_affected"), "{text:#?}");
+    assert!(text.stdout.contains("conflict"), "{text:#?}");
+
+    let json = f
+        .run(&[
+            "inspect",
+            "--consumer",
+            "payments",
+            "--key",
+            "p-2",
+            "--json",
+        ])
+        .expect_code(0)
+        .json();
+    assert_eq!(json["found"], true);
+    assert_eq!(json["inbox"]["result"]["rows_affected"], 1);
+    assert_eq!(
+        json["inbox"]["fingerprint"].as_str().map(str::len),
+        Some(64)
+    );
+    assert_eq!(json["dead_letters"][0]["reason"], "conflict");
+
+    let unknown = f
+        .run(&["inspect", "--consumer", "payments", "--key", "p-404"])
+        .expect_code(3);
+    assert!(unknown.stderr.contains("unknown"), "{unknown:#?}");
+    f.run(&["inspect", "--consumer", "other", "--key", "p-1"])
+        .expect_code(3);
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn dlq_list_shows_bad_lines_with_their_reasons() {
+    let f = Fixture::new();
+    f.consume(&[]).expect_code(0);
+    let list = f
+        .run(&["dlq", "list", "--consumer", "payments", "--json"])
+        .expect_code(0)
+        .json();
+    let letters = list.as_array().expect("array");
+    let reasons: Vec<&str> = letters
+        .iter()
+        .filter_map(|d| d["reason"].as_str())
+        .collect();
+    assert_eq!(reasons, ["malformed_record", "missing_key", "conflict"]);
+
+    let malformed = &letters[0];
+    assert_eq!(malformed["message"]["payload"], "this is not json");
+    assert_eq!(malformed["source"], "jsonl");
+    assert_eq!(malformed["offset"], 6);
+    assert!(malformed["key"].is_null());
+    let missing = &letters[1];
+    assert_eq!(
+        missing["message"]["payload"],
+        r#"{"account":"acc-4","amount":5}"#
+    );
+    assert_eq!(missing["offset"], 7);
+    assert_eq!(letters[2]["key"], "p-2");
+
+    let table = f.run(&["dlq", "list"]).expect_code(0);
+    assert!(table.stdout.starts_with("ID"), "{table:#?}");
+    assert!(table.stdout.contains("malformed_record"), "{table:#?}");
+    assert!(table.stdout.contains("this is not json"), "{table:#?}");
+
+    let none = f
+        .run(&["dlq", "list", "--consumer", "nobody"])
+        .expect_code(0);
+    assert_eq!(none.stdout.trim(), "no dead letters");
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn prune_older_than_zero_removes_every_row() {
+    let f = Fixture::new();
+    f.consume(&[]).expect_code(0);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let kept = f.run(&["prune", "--older-than", "7d"]).expect_code(0);
+    assert_eq!(kept.stdout.trim(), "pruned 0 rows older than 7d");
+    let pruned = f.run(&["prune", "--older-than", "0s"]).expect_code(0);
+    assert_eq!(pruned.stdout.trim(), "pruned 4 rows older than 0s");
+
+    let stats = f.run(&["stats", "--json"]).expect_code(0).json();
+    assert_eq!(stats[0]["processed"], 0);
+    assert_eq!(stats[0]["dead_letters"], 3, "dead letters are not pruned");
+    f.run(&["inspect", "--consumer", "payments", "--key", "p-1"])
+        .expect_code(3);
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn migrate_reports_the_store() {
+    let f = Fixture::new();
+    let run = f.run(&["migrate"]).expect_code(0);
+    assert_eq!(
+        run.stdout.trim(),
+        format!("migrated {} (tables prefix idemq_)", f.store)
+    );
+    f.run(&["migrate"]).expect_code(0);
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn print_sink_reads_stdin_and_still_dedups() {
+    let f = Fixture::new();
+    let input = "{\"id\":\"a\",\"payload\":{\"n\":1}}\n{\"id\":\"a\",\"payload\":{\"n\":1}}\n{\"id\":\"b\",\"payload\":\"plain text\"}\n";
+    let run = idemq_with_stdin(
+        &f.store,
+        &["consume", "--consumer", "printer", "--print"],
+        Some(input),
+    )
+    .expect_code(0);
+    let lines: Vec<&str> = run.stdout.lines().collect();
+    assert_eq!(lines.len(), 3, "{run:#?}");
+    let printed: Vec<Value> = lines[..2]
+        .iter()
+        .map(|l| serde_json::from_str(l).expect("JSON line"))
+        .collect();
+    assert!(printed.contains(&serde_json::json!({"key": "a", "payload": {"n": 1}})));
+    assert!(printed.contains(&serde_json::json!({"key": "b", "payload": "plain text"})));
+    assert_eq!(
+        lines[2],
+        "consumer printer: processed=2 duplicate=1 conflict=0 retry_later=0 dead_lettered=0"
+    );
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn dlq_replay_resolves_what_now_succeeds() {
+    let f = Fixture::new();
+    // amount 0 violates the CHECK: a permanent failure, dead-lettered.
+    std::fs::write(
+        &f.input,
+        "{\"payment_id\":\"p-1\",\"account\":\"a\",\"amount\":5}\n\
+         {\"payment_id\":\"p-0\",\"account\":\"a\",\"amount\":0}\n\
+         {\"account\":\"a\",\"amount\":7}\n",
+    )
+    .expect("write input");
+    let consumed = f
+        .run(&[
+            "consume",
+            f.input(),
+            "--consumer",
+            "payments",
+            "--key",
+            "json:/payment_id",
+            "--init-sql",
+            "CREATE TABLE strict_ledger (payment_id TEXT PRIMARY KEY, amount INTEGER NOT NULL CHECK (amount > 0))",
+            "--apply-sql",
+            "INSERT INTO strict_ledger (payment_id, amount) VALUES (:idemq_key, :amount)",
+        ])
+        .expect_code(0);
+    assert_eq!(
+        first_line(&consumed),
+        "consumer payments: processed=1 duplicate=0 conflict=0 retry_later=0 dead_lettered=2"
+    );
+    let letters = f
+        .run(&["dlq", "list", "--consumer", "payments", "--json"])
+        .expect_code(0)
+        .json();
+    let letters = letters.as_array().expect("array");
+    assert_eq!(letters.len(), 2, "{letters:#?}");
+    let id_of = |reason: &str| {
+        letters
+            .iter()
+            .find(|d| d["reason"] == reason)
+            .and_then(|d| d["id"].as_i64())
+            .unwrap_or_else(|| panic!("no {reason} dead letter: {letters:#?}"))
+    };
+    let failed_id = id_of("permanent_failure");
+    let missing_id = id_of("missing_key");
+
+    let unknown = f
+        .run(&[
+            "dlq",
+            "replay",
+            "--consumer",
+            "payments",
+            "--id",
+            "999",
+            "--print",
+        ])
+        .expect_code(3);
+    assert!(unknown.stderr.contains("#999 not found"), "{unknown:#?}");
+
+    // Replayed into a sink that accepts it: processed, and its dead letter goes.
+    let replay = f
+        .run(&[
+            "dlq",
+            "replay",
+            "--consumer",
+            "payments",
+            "--all",
+            "--key",
+            "json:/payment_id",
+            "--print",
+        ])
+        .expect_code(0);
+    assert!(
+        replay
+            .stdout
+            .contains(&format!("#{failed_id} key \"p-0\": processed")),
+        "{replay:#?}"
+    );
+    assert!(
+        replay.stdout.contains(&format!(
+            "#{missing_id} (no key): dead-lettered again (missing_key"
+        )),
+        "{replay:#?}"
+    );
+    assert!(
+        replay
+            .stdout
+            .contains(r#"{"key":"p-0","payload":{"account":"a","amount":0,"payment_id":"p-0"}}"#),
+        "{replay:#?}"
+    );
+
+    let after = f
+        .run(&["dlq", "list", "--consumer", "payments", "--json"])
+        .expect_code(0)
+        .json();
+    let after = after.as_array().expect("array");
+    assert_eq!(
+        after.len(),
+        1,
+        "only the still-keyless message stays: {after:#?}"
+    );
+    assert_eq!(after[0]["reason"], "missing_key");
+    assert_eq!(
+        after[0]["source"], "jsonl",
+        "the origin survives the replay"
+    );
+    assert_eq!(after[0]["offset"], 3);
+    let inspect = f
+        .run(&[
+            "inspect",
+            "--consumer",
+            "payments",
+            "--key",
+            "p-0",
+            "--json",
+        ])
+        .expect_code(0)
+        .json();
+    assert!(inspect["inbox"].is_object());
+    assert_eq!(inspect["dead_letters"], serde_json::json!([]));
+
+    // Still keyless: dead-lettered again, and the queue does not grow.
+    let again = f
+        .run(&[
+            "dlq",
+            "replay",
+            "--consumer",
+            "payments",
+            "--all",
+            "--print",
+        ])
+        .expect_code(0);
+    assert!(again.stdout.contains("dead-lettered again"), "{again:#?}");
+    let last = f
+        .run(&["dlq", "list", "--consumer", "payments", "--json"])
+        .expect_code(0)
+        .json();
+    assert_eq!(last.as_array().map(Vec::len), Some(1));
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn configuration_errors_exit_with_2() {
+    let f = Fixture::new();
+    let cases: Vec<Vec<&str>> = vec![
+        vec![
+            "consume",
+            f.input(),
+            "--consumer",
+            "c",
+            "--print",
+            "--key",
+            "bogus",
+        ],
+        vec![
+            "consume",
+            f.input(),
+            "--consumer",
+            "c",
+            "--print",
+            "--fingerprint",
+            "nope",
+        ],
+        vec!["consume", f.input(), "--consumer", "c"], // no sink
+        vec![
+            "consume",
+            f.input(),
+            "--consumer",
+            "c",
+            "--print",
+            "--apply-sql",
+            "SELECT 1",
+        ],
+        vec![
+            "consume",
+            f.input(),
+            "--consumer",
+            "c",
+            "--apply-sql",
+            "SELECT 'x",
+        ],
+        vec![
+            "consume",
+            f.input(),
+            "--consumer",
+            "c",
+            "--apply-sql",
+            "SELECT :a",
+            "--param",
+            "b=key",
+        ],
+        vec![
+            "consume",
+            f.input(),
+            "--consumer",
+            "c",
+            "--print",
+            "--param",
+            "a=key",
+        ],
+        vec![
+            "consume",
+            f.input(),
+            "--consumer",
+            "c",
+            "--apply-sql",
+            "INSERT INTO missing_table VALUES (:a)",
+        ],
+        vec!["consume", f.input(), "--consumer", "", "--print"],
+        vec![
+            "consume",
+            f.input(),
+            "--consumer",
+            "c",
+            "--print",
+            "--concurrency",
+            "0",
+        ],
+        vec!["--table-prefix", "9bad", "stats"],
+        vec!["prune", "--older-than", "soon"],
+    ];
+    for args in cases {
+        let run = f.run(&args);
+        assert_eq!(run.code, 2, "{args:?}: {run:#?}");
+        assert!(!run.stderr.is_empty(), "{args:?}");
+    }
+    let scheme = idemq("ftp://example.org/x", &["stats"]).expect_code(2);
+    assert!(
+        scheme.stderr.contains("unknown store scheme"),
+        "{scheme:#?}"
+    );
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn runtime_errors_exit_with_1() {
+    let f = Fixture::new();
+    let missing = f.dir.path().join("absent.jsonl");
+    let run = f
+        .run(&[
+            "consume",
+            missing.to_str().expect("utf-8"),
+            "--consumer",
+            "c",
+            "--print",
+        ])
+        .expect_code(1);
+    assert!(run.stderr.contains("absent.jsonl"), "{run:#?}");
+}
+
+#[test]
+fn every_command_has_help() {
+    for args in [
+        vec!["--help"],
+        vec!["consume", "--help"],
+        vec!["migrate", "--help"],
+        vec!["prune", "--help"],
+        vec!["stats", "--help"],
+        vec!["inspect", "--help"],
+        vec!["dlq", "--help"],
+        vec!["dlq", "list", "--help"],
+        vec!["dlq", "replay", "--help"],
+    ] {
+        let out = Command::new(BIN).args(&args).output().expect("run idemq");
+        let run = Run {
+            code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+        .expect_code(0);
+        assert!(run.stdout.contains("Usage:"), "{args:?}");
+        if args != ["dlq", "--help"] {
+            assert!(run.stdout.contains("EXIT CODES"), "{args:?}");
+        }
+    }
+}
+
+/// A suffix unique to this test run, for table names in shared databases.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn unique_suffix() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{}_{}", std::process::id(), nanos % 1_000_000_000)
+}
+
+/// Consumes the payments file into `store` with per-run table names; returns
+/// the ledger table name and the table prefix.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn consume_into(store: &str, ledger_type: &str, input: &Path) -> (String, String) {
+    let suffix = unique_suffix();
+    let ledger = format!("ledger_{suffix}");
+    let prefix = format!("t{suffix}_");
+    let create = format!(
+        "CREATE TABLE IF NOT EXISTS {ledger} (payment_id {ledger_type} PRIMARY KEY, account TEXT NOT NULL, amount INTEGER NOT NULL)"
+    );
+    let insert = format!(
+        "INSERT INTO {ledger} (payment_id, account, amount) VALUES (:idemq_key, :account, :amount)"
+    );
+    let input = input.to_str().expect("utf-8 path");
+    let args = |extra: &'static str| {
+        let mut a = vec![
+            "--table-prefix",
+            prefix.as_str(),
+            "consume",
+            input,
+            "--consumer",
+            "payments",
+            "--key",
+            "json:/payment_id",
+            "--concurrency",
+            "1",
+            "--init-sql",
+            create.as_str(),
+            "--apply-sql",
+            insert.as_str(),
+        ];
+        if !extra.is_empty() {
+            a.push(extra);
+        }
+        a
+    };
+    let first = idemq(store, &args("--no-checkpoint")).expect_code(0);
+    assert_eq!(first_line(&first), FIRST_RUN, "{first:#?}");
+    let again = idemq(store, &args("--no-checkpoint")).expect_code(0);
+    assert_eq!(first_line(&again), FULL_RERUN, "{again:#?}");
+    let stats = idemq(store, &["--table-prefix", &prefix, "stats", "--json"])
+        .expect_code(0)
+        .json();
+    assert_eq!(stats[0]["processed"], 4);
+    (ledger, prefix)
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn consume_into_postgres() {
+    let url = std::env::var("IDEMQ_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let f = Fixture::new();
+    let (ledger, prefix) = consume_into(&url, "TEXT", &f.input);
+    let pool = sqlx::PgPool::connect(&url).await.expect("connect postgres");
+    let rows = sqlx::query_as::<_, (String, String, i32)>(&format!(
+        "SELECT payment_id, account, amount FROM {ledger} ORDER BY payment_id"
+    ))
+    .fetch_all(&pool)
+    .await
+    .expect("read ledger");
+    let rows: Vec<(String, String, i64)> = rows
+        .into_iter()
+        .map(|(p, a, n)| (p, a, i64::from(n)))
+        .collect();
+    assert_eq!(rows, expected_ledger());
+    drop_tables(&pool, &ledger, &prefix).await;
+    pool.close().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn consume_into_mariadb() {
+    let url = std::env::var("IDEMQ_TEST_MYSQL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let f = Fixture::new();
+    // The mariadb:// spelling is rewritten for the driver.
+    let store = url.replacen("mysql://", "mariadb://", 1);
+    let (ledger, prefix) = consume_into(&store, "VARCHAR(64)", &f.input);
+    let pool = sqlx::MySqlPool::connect(&url)
+        .await
+        .expect("connect mariadb");
+    let rows = sqlx::query_as::<_, (String, String, i32)>(&format!(
+        "SELECT payment_id, account, amount FROM {ledger} ORDER BY payment_id"
+    ))
+    .fetch_all(&pool)
+    .await
+    .expect("read ledger");
+    let rows: Vec<(String, String, i64)> = rows
+        .into_iter()
+        .map(|(p, a, n)| (p, a, i64::from(n)))
+        .collect();
+    assert_eq!(rows, expected_ledger());
+    drop_tables(&pool, &ledger, &prefix).await;
+    pool.close().await;
+}
+
+/// Values of different JSON types for one parameter (integer, float, null)
+/// in consecutive messages; returns the table name and prefix.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn consume_mixed_types(store: &str, id_type: &str) -> (String, String) {
+    let f = Fixture::new();
+    std::fs::write(
+        &f.input,
+        "{\"id\":\"a\",\"amount\":5,\"note\":\"x\"}\n\
+         {\"id\":\"b\",\"amount\":2.5,\"note\":null}\n\
+         {\"id\":\"c\",\"amount\":null,\"note\":\"z\"}\n",
+    )
+    .expect("write input");
+    let suffix = unique_suffix();
+    let table = format!("mixed_{suffix}");
+    let prefix = format!("m{suffix}_");
+    let create = format!(
+        "CREATE TABLE {table} (id {id_type} PRIMARY KEY, amount NUMERIC(10,2) NULL, note TEXT NULL)"
+    );
+    let insert = format!("INSERT INTO {table} (id, amount, note) VALUES (:id, :amount, :note)");
+    let run = idemq(
+        store,
+        &[
+            "--table-prefix",
+            &prefix,
+            "consume",
+            f.input(),
+            "--no-checkpoint",
+            "--consumer",
+            "mixed",
+            "--key",
+            "json:/id",
+            "--concurrency",
+            "1",
+            "--init-sql",
+            &create,
+            "--apply-sql",
+            &insert,
+        ],
+    )
+    .expect_code(0);
+    assert_eq!(
+        first_line(&run),
+        "consumer mixed: processed=3 duplicate=0 conflict=0 retry_later=0 dead_lettered=0",
+        "{run:#?}"
+    );
+    (table, prefix)
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn postgres_binds_differently_typed_values_per_message() {
+    let url = std::env::var("IDEMQ_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let (table, prefix) = consume_mixed_types(&url, "TEXT");
+    let pool = sqlx::PgPool::connect(&url).await.expect("connect postgres");
+    let rows = sqlx::query_as::<_, (String, Option<String>, Option<String>)>(&format!(
+        "SELECT id, amount::text, note FROM {table} ORDER BY id"
+    ))
+    .fetch_all(&pool)
+    .await
+    .expect("read table");
+    assert_eq!(
+        rows,
+        [
+            ("a".into(), Some("5.00".into()), Some("x".into())),
+            ("b".into(), Some("2.50".into()), None),
+            ("c".into(), None, Some("z".into())),
+        ]
+    );
+    drop_tables(&pool, &table, &prefix).await;
+    pool.close().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn mariadb_binds_differently_typed_values_per_message() {
+    let url = std::env::var("IDEMQ_TEST_MYSQL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let (table, prefix) = consume_mixed_types(&url, "VARCHAR(64)");
+    let pool = sqlx::MySqlPool::connect(&url)
+        .await
+        .expect("connect mariadb");
+    let rows = sqlx::query_as::<_, (String, Option<String>, Option<String>)>(&format!(
+        "SELECT id, CAST(amount AS CHAR), note FROM {table} ORDER BY id"
+    ))
+    .fetch_all(&pool)
+    .await
+    .expect("read table");
+    assert_eq!(
+        rows,
+        [
+            ("a".into(), Some("5.00".into()), Some("x".into())),
+            ("b".into(), Some("2.50".into()), None),
+            ("c".into(), None, Some("z".into())),
+        ]
+    );
+    drop_tables(&pool, &table, &prefix).await;
+    pool.close().await;
+}
+
+/// Drops a test's tables (best effort).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+async fn drop_tables<DB>(pool: &sqlx::Pool<DB>, table: &str, prefix: &str)
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    for name in [
+        table.to_owned(),
+        format!("{prefix}inbox"),
+        format!("{prefix}attempts"),
+        format!("{prefix}dead_letters"),
+        format!("{prefix}schema_migrations"),
+    ] {
+        let _ = sqlx::raw_sql(&format!("DROP TABLE IF EXISTS {name}"))
+            .execute(pool)
+            .await;
+    }
+}
