@@ -239,6 +239,12 @@ pub async fn poison_messages_are_dead_lettered<B: Backend>() {
         "{}",
         buggy.dead_letters[0].error
     );
+    let stats = store.stats().await.unwrap();
+    assert_eq!(stats.len(), 1);
+    assert_eq!(
+        (stats[0].processed, stats[0].dead_letters, stats[0].failing),
+        (1, 3, 0)
+    );
     backend.cleanup().await;
 }
 

@@ -509,23 +509,16 @@ macro_rules! sql_store {
                     stats.oldest_ms = row.try_get::<Option<i64>, _>(2).map_err(store_error)?;
                     stats.newest_ms = row.try_get::<Option<i64>, _>(3).map_err(store_error)?;
                 }
-                for (consumer, n) in self
-                    .count_by_consumer(&self.queries.stats_dead_letters)
-                    .await
-                    .map_err(store_error)?
-                {
-                    let stats = by_consumer.entry(consumer.clone()).or_default();
-                    stats.consumer = consumer;
-                    stats.dead_letters = n;
-                }
-                for (consumer, n) in self
-                    .count_by_consumer(&self.queries.stats_failing)
-                    .await
-                    .map_err(store_error)?
-                {
-                    let stats = by_consumer.entry(consumer.clone()).or_default();
-                    stats.consumer = consumer;
-                    stats.failing = n;
+                let counts: [(&str, fn(&mut $crate::store::ConsumerStats, u64)); 2] = [
+                    (&self.queries.stats_dead_letters, |s, n| s.dead_letters = n),
+                    (&self.queries.stats_failing, |s, n| s.failing = n),
+                ];
+                for (sql, set) in counts {
+                    for (consumer, n) in self.count_by_consumer(sql).await.map_err(store_error)? {
+                        let stats = by_consumer.entry(consumer.clone()).or_default();
+                        stats.consumer = consumer;
+                        set(stats, n);
+                    }
                 }
                 Ok(by_consumer.into_values().collect())
             }
