@@ -19,6 +19,12 @@ pub struct RetryPolicy {
     /// Delay before a message whose key is in flight elsewhere, or whose store
     /// call failed transiently, is tried again (no attempt is counted).
     pub busy_delay: Duration,
+    /// Dead-letter a message whose source reports more deliveries than this,
+    /// before its handler runs again. This catches a message that kills the
+    /// consumer on every attempt and so never gets a failure counted. `None`
+    /// (the default) turns it off; sources whose delivery count also counts
+    /// busy redeliveries need it well above `max_attempts`.
+    pub max_deliveries: Option<u32>,
 }
 
 impl Default for RetryPolicy {
@@ -30,6 +36,7 @@ impl Default for RetryPolicy {
             max_backoff: Duration::from_secs(60),
             jitter: 0.2,
             busy_delay: Duration::from_millis(250),
+            max_deliveries: None,
         }
     }
 }

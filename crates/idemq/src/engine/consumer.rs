@@ -381,6 +381,27 @@ impl<S: Store> Consumer<S> {
         meta: &DeliveryMeta,
     ) -> Outcome {
         let inner = &*self.inner;
+        if let Some(max) = inner.retry.max_deliveries {
+            if meta.delivery_count > max {
+                if let Err(e) = inner.store.rollback(tx).await {
+                    tracing::warn!(consumer = %inner.name, key = req.key, error = %e, "rollback failed");
+                }
+                let error = format!(
+                    "delivered {} times, more than max_deliveries {max}",
+                    meta.delivery_count
+                );
+                return self
+                    .dead_letter_with(
+                        Some(req.key),
+                        DeadLetterReason::DeliveryLimit,
+                        &error,
+                        message,
+                        meta,
+                        0,
+                    )
+                    .await;
+            }
+        }
         let ctx = Context {
             consumer: req.consumer,
             key: req.key,

@@ -33,6 +33,11 @@ macro_rules! suite {
                 .await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_message_that_keeps_crashing_hits_the_delivery_limit() {
+            crate::scenarios::a_message_that_keeps_crashing_hits_the_delivery_limit::<$backend>()
+                .await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn crash_after_commit_before_ack_is_a_duplicate() {
             crate::scenarios::crash_after_commit_before_ack_is_a_duplicate::<$backend>().await
         }
@@ -273,6 +278,39 @@ pub async fn crash_before_commit_is_redelivered_and_applied_once<B: Backend>() {
         "applied exactly once"
     );
     assert_eq!(queue.acked(), 1);
+    backend.cleanup().await;
+}
+
+pub async fn a_message_that_keeps_crashing_hits_the_delivery_limit<B: Backend>() {
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let queue = queue_of([Message::new(r#"{"k":"killer","amount":7,"fail":"hang"}"#)]);
+    let limited = || {
+        consumer(&backend, "ledger", &plan)
+            .lease(Duration::from_millis(300))
+            .retry(RetryPolicy {
+                max_deliveries: Some(1),
+                ..fast_retries(3)
+            })
+    };
+    // The first delivery takes the consumer down mid-handler: no failure is counted.
+    let first = limited().build().unwrap();
+    let source = queue.source();
+    let crashed = tokio::spawn(async move { first.run(source).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    crashed.abort();
+    let _ = crashed.await;
+
+    let summary = run::<B>(limited(), &queue).await;
+    assert_eq!(summary.count(OutcomeKind::DeadLettered), 1);
+    assert!(
+        backend.ledger().await.is_empty(),
+        "the handler did not run again"
+    );
+    let report = backend.store().inspect("ledger", "killer").await.unwrap();
+    assert!(report.inbox.is_none());
+    assert_eq!(report.dead_letters[0].reason, "delivery_limit");
+    assert_eq!(report.dead_letters[0].meta.delivery_count, 2);
     backend.cleanup().await;
 }
 
