@@ -152,6 +152,9 @@ pub enum SourceError {
     /// The source is misconfigured.
     #[error("source configuration: {0}")]
     Config(String),
+    /// The broker refused a request or the connection to it failed.
+    #[error("broker: {0}")]
+    Broker(String),
     /// Any other source failure.
     #[error("source error: {0}")]
     Other(String),

@@ -62,7 +62,7 @@ pub use fingerprint::FingerprintSpec;
 pub use key::KeySpec;
 pub use message::{DeliveryMeta, Headers, Message};
 pub use outcome::{Outcome, OutcomeKind, Summary};
-pub use policy::{ConflictPolicy, RetentionPolicy, RetryPolicy};
+pub use policy::{ConflictPolicy, InFlightPolicy, RetentionPolicy, RetryPolicy};
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub use sqlx;

@@ -69,6 +69,47 @@ pub enum ConflictPolicy {
     Ignore,
 }
 
+/// What a consumer does with a duplicate that arrives while the first copy
+/// of its key is still being handled by another worker (lease stores answer
+/// such a claim with [`Claim::InFlight`](crate::store::Claim::InFlight)).
+///
+/// SQL stores never answer `InFlight`: the second claim's `INSERT` waits on
+/// the first one's row lock inside the database, and returns a duplicate
+/// when the first commits, or takes over the key when it rolls back. That is
+/// the `Wait` behaviour, bounded by the database's lock timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InFlightPolicy {
+    /// Retry the duplicate later, after [`RetryPolicy::busy_delay`], without
+    /// counting an attempt (default). For HTTP-style callers this is a 409.
+    Reject,
+    /// Poll the store every `poll` until the first copy completes (the
+    /// duplicate is answered with its stored result) or its lease expires
+    /// (this delivery takes over). After `max_wait` it falls back to `Reject`.
+    Wait {
+        /// Time between two claims.
+        poll: std::time::Duration,
+        /// Longest wait; set it above the lease so that a dead holder's
+        /// lease can expire within it.
+        max_wait: std::time::Duration,
+    },
+}
+
+impl Default for InFlightPolicy {
+    fn default() -> Self {
+        Self::Reject
+    }
+}
+
+impl InFlightPolicy {
+    /// `Wait` polling every 50 ms for at most `max_wait`.
+    pub fn wait(max_wait: std::time::Duration) -> Self {
+        Self::Wait {
+            poll: std::time::Duration::from_millis(50),
+            max_wait,
+        }
+    }
+}
+
 /// How long inbox rows are kept, and how pruning runs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetentionPolicy {

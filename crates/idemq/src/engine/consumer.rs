@@ -8,12 +8,12 @@ use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 
 use super::handler::{Context, FnHandler, Handler, HandlerResult};
-use crate::error::{ConfigError, HandlerError, InputError};
+use crate::error::{ConfigError, HandlerError, InputError, StoreError};
 use crate::fingerprint::FingerprintSpec;
 use crate::key::KeySpec;
 use crate::message::{DeliveryMeta, Message};
 use crate::outcome::Outcome;
-use crate::policy::{ConflictPolicy, RetryPolicy};
+use crate::policy::{ConflictPolicy, InFlightPolicy, RetryPolicy};
 use crate::source::{Acknowledger, Delivery};
 use crate::store::{Claim, ClaimRequest, DeadLetter, DeadLetterReason, Store};
 
@@ -28,6 +28,7 @@ pub(crate) struct Inner<S: Store> {
     pub(crate) handler: Box<dyn Handler<S::Tx>>,
     pub(crate) retry: RetryPolicy,
     pub(crate) conflict: ConflictPolicy,
+    pub(crate) in_flight: InFlightPolicy,
     pub(crate) concurrency: usize,
     pub(crate) lease: Duration,
     pub(crate) handler_timeout: Option<Duration>,
@@ -94,6 +95,7 @@ pub struct ConsumerBuilder<S: Store> {
     handler: Option<Box<dyn Handler<S::Tx>>>,
     retry: RetryPolicy,
     conflict: ConflictPolicy,
+    in_flight: InFlightPolicy,
     concurrency: usize,
     lease: Duration,
     handler_timeout: Option<Duration>,
@@ -116,6 +118,7 @@ impl<S: Store> Consumer<S> {
             handler: None,
             retry: RetryPolicy::default(),
             conflict: ConflictPolicy::default(),
+            in_flight: InFlightPolicy::default(),
             concurrency: 8,
             lease: Duration::from_secs(30),
             handler_timeout: None,
@@ -177,6 +180,13 @@ impl<S: Store> ConsumerBuilder<S> {
         self
     }
 
+    /// What to do with a duplicate whose first copy is still in flight in
+    /// another worker (lease stores; see [`InFlightPolicy`]).
+    pub fn in_flight(mut self, policy: InFlightPolicy) -> Self {
+        self.in_flight = policy;
+        self
+    }
+
     /// Messages in flight at once in [`Consumer::run`].
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = n;
@@ -207,6 +217,13 @@ impl<S: Store> ConsumerBuilder<S> {
         if self.concurrency == 0 {
             return Err(ConfigError::Policy("concurrency must be at least 1".into()));
         }
+        if let InFlightPolicy::Wait { poll, .. } = self.in_flight {
+            if poll.is_zero() {
+                return Err(ConfigError::Policy(
+                    "the in-flight wait poll interval must be above zero".into(),
+                ));
+            }
+        }
         if self.retry.max_attempts == 0 {
             return Err(ConfigError::Policy(
                 "max_attempts must be at least 1".into(),
@@ -224,6 +241,7 @@ impl<S: Store> ConsumerBuilder<S> {
                 handler,
                 retry: self.retry,
                 conflict: self.conflict,
+                in_flight: self.in_flight,
                 concurrency: self.concurrency,
                 lease: self.lease,
                 handler_timeout: self.handler_timeout,
@@ -357,7 +375,7 @@ impl<S: Store> Consumer<S> {
             fingerprint: &fingerprint,
             lease: inner.lease,
         };
-        let tx = match inner.store.claim(&req).await {
+        let tx = match self.claim(&req).await {
             Ok(Claim::New(tx)) => tx,
             Ok(Claim::Done(record)) if record.fingerprint == fingerprint => {
                 return Outcome::Duplicate { record }
@@ -371,6 +389,31 @@ impl<S: Store> Consumer<S> {
             Err(e) => return self.busy(Some(key), format!("claim failed: {e}")),
         };
         self.run_handler(tx, &req, message, meta).await
+    }
+
+    /// Claims the key; with [`InFlightPolicy::Wait`], polls while another
+    /// worker holds it, until it completes, its lease expires, or the wait ends.
+    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim<S::Tx>, StoreError> {
+        let store = &self.inner.store;
+        let claim = store.claim(req).await?;
+        let InFlightPolicy::Wait { poll, max_wait } = self.inner.in_flight else {
+            return Ok(claim);
+        };
+        if !matches!(claim, Claim::InFlight) {
+            return Ok(claim);
+        }
+        let deadline = Instant::now() + max_wait;
+        loop {
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(Claim::InFlight);
+            }
+            tokio::time::sleep(poll.min(deadline - now)).await;
+            match store.claim(req).await? {
+                Claim::InFlight => continue,
+                other => return Ok(other),
+            }
+        }
     }
 
     async fn run_handler(

@@ -379,6 +379,21 @@ impl Drop for LineAcker {
     }
 }
 
+/// Parses one JSON line into a message, as this source does: an envelope
+/// (`id`, `key`, `headers`, `payload`) or a bare payload. `idemq produce`
+/// uses it to publish a file to a broker.
+///
+/// ```
+/// use idemq::source::jsonl::parse_message;
+/// let m = parse_message(br#"{"id":"m-1","key":"p-1","payload":{"amount":5}}"#).unwrap();
+/// assert_eq!(m.key.as_deref(), Some("p-1"));
+/// assert_eq!(m.payload, br#"{"amount":5}"#);
+/// assert!(parse_message(b"{not json").is_err());
+/// ```
+pub fn parse_message(line: &[u8]) -> Result<Message, InputError> {
+    parse_line(line).map_err(InputError::Malformed)
+}
+
 /// Parses one line into a message (envelope or bare payload).
 fn parse_line(bytes: &[u8]) -> Result<Message, String> {
     let text = std::str::from_utf8(bytes).map_err(|e| format!("not valid UTF-8 ({e})"))?;

@@ -1,0 +1,116 @@
+//! The in-flight policies over the memory lease store: a duplicate that
+//! arrives while the first copy is being handled waits for its result
+//! (`Wait`), is retried later (`Reject`), or takes over an expired lease.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemq::source::queue::MemoryQueue;
+use idemq::source::Source;
+use idemq::store::memory::MemoryStore;
+use idemq::{Consumer, HandlerError, InFlightPolicy, KeySpec, Message, Outcome};
+
+/// A consumer whose handler sleeps `sleep` and returns the payload's amount.
+fn consumer(
+    policy: InFlightPolicy,
+    sleep: Duration,
+    lease: Duration,
+) -> (Consumer<MemoryStore>, Arc<AtomicU32>) {
+    let calls = Arc::new(AtomicU32::new(0));
+    let counted = Arc::clone(&calls);
+    let consumer = Consumer::builder("in-flight", MemoryStore::new())
+        .key(KeySpec::json("/id"))
+        .in_flight(policy)
+        .lease(lease)
+        .handler_fn(move |ctx, _lease| {
+            let counted = Arc::clone(&counted);
+            Box::pin(async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(sleep).await;
+                let v: serde_json::Value = ctx.message.json().map_err(HandlerError::permanent)?;
+                Ok(Some(serde_json::json!({ "amount": v["amount"] })))
+            })
+        })
+        .build()
+        .unwrap();
+    (consumer, calls)
+}
+
+/// Processes two copies of one message, the second 50 ms after the first.
+async fn two_copies(consumer: &Consumer<MemoryStore>) -> (Outcome, Outcome) {
+    let queue = MemoryQueue::new("q");
+    let msg = Message::new(r#"{"id":"k-1","amount":7}"#);
+    queue.push(msg.clone());
+    queue.push(msg);
+    let mut source = queue.source();
+    let first = source.next().await.unwrap().unwrap();
+    let second = source.next().await.unwrap().unwrap();
+    let a = consumer.clone();
+    let first = tokio::spawn(async move { a.process(first).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = consumer.process(second).await;
+    (first.await.unwrap(), second)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_returns_the_first_copys_stored_result() {
+    let policy = InFlightPolicy::wait(Duration::from_secs(5));
+    let (consumer, calls) = consumer(policy, Duration::from_millis(300), Duration::from_secs(30));
+    let (first, second) = two_copies(&consumer).await;
+    assert!(matches!(first, Outcome::Processed { .. }), "{first:?}");
+    match second {
+        Outcome::Duplicate { record } => {
+            assert_eq!(record.result, Some(serde_json::json!({ "amount": 7 })))
+        }
+        other => panic!("expected a duplicate, got {other:?}"),
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reject_retries_the_duplicate_later() {
+    let (consumer, calls) = consumer(
+        InFlightPolicy::Reject,
+        Duration::from_millis(300),
+        Duration::from_secs(30),
+    );
+    let (first, second) = two_copies(&consumer).await;
+    assert!(matches!(first, Outcome::Processed { .. }), "{first:?}");
+    match second {
+        Outcome::RetryLater { attempts, .. } => assert_eq!(attempts, 0),
+        other => panic!("expected retry later, got {other:?}"),
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_takes_over_when_the_holders_lease_expires() {
+    // The first copy outlives its 200 ms lease: the waiting copy takes the
+    // key over, and the stale first holder's completion is refused.
+    let policy = InFlightPolicy::wait(Duration::from_secs(5));
+    let (consumer, calls) = consumer(
+        policy,
+        Duration::from_millis(600),
+        Duration::from_millis(200),
+    );
+    let (first, second) = two_copies(&consumer).await;
+    assert!(matches!(second, Outcome::Processed { .. }), "{second:?}");
+    assert!(
+        matches!(first, Outcome::RetryLater { .. }),
+        "the stale holder must not complete: {first:?}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_zero_poll_interval_is_refused() {
+    let result = Consumer::builder("c", MemoryStore::new())
+        .in_flight(InFlightPolicy::Wait {
+            poll: Duration::ZERO,
+            max_wait: Duration::from_secs(1),
+        })
+        .handler_fn(|_, _| Box::pin(async { Ok(None) }))
+        .build();
+    assert!(result.is_err());
+}
