@@ -77,10 +77,11 @@ pub enum ConflictPolicy {
 /// the first one's row lock inside the database, and returns a duplicate
 /// when the first commits, or takes over the key when it rolls back. That is
 /// the `Wait` behaviour, bounded by the database's lock timeout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum InFlightPolicy {
     /// Retry the duplicate later, after [`RetryPolicy::busy_delay`], without
     /// counting an attempt (default). For HTTP-style callers this is a 409.
+    #[default]
     Reject,
     /// Poll the store every `poll` until the first copy completes (the
     /// duplicate is answered with its stored result) or its lease expires
@@ -92,12 +93,6 @@ pub enum InFlightPolicy {
         /// lease can expire within it.
         max_wait: std::time::Duration,
     },
-}
-
-impl Default for InFlightPolicy {
-    fn default() -> Self {
-        Self::Reject
-    }
 }
 
 impl InFlightPolicy {

@@ -13,8 +13,14 @@ use crate::error::{InputError, SourceError};
 use crate::message::{DeliveryMeta, Message};
 use crate::store::DeadLetterReason;
 
+#[cfg(feature = "amqp")]
+pub mod amqp;
 pub mod jsonl;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 pub mod queue;
+#[cfg(feature = "sqs")]
+pub mod sqs;
 
 /// Settles one delivery with its source.
 #[async_trait]
@@ -85,6 +91,21 @@ impl Delivery {
     }
 }
 
+/// Publishes messages to a broker: the producer side, used by `idemq produce`
+/// and by tests. Each broker carries [`Message::id`], [`Message::key`] and the
+/// headers in its own native places, documented on its publisher, so that its
+/// source reads them back into the same [`Message`].
+#[async_trait]
+pub trait Publisher: Send + Sync {
+    /// Publishes one message; returns when the broker has accepted it.
+    async fn publish(&self, message: &Message) -> Result<(), SourceError>;
+
+    /// Waits until everything published so far is stored by the broker.
+    async fn flush(&self) -> Result<(), SourceError> {
+        Ok(())
+    }
+}
+
 /// A stream of deliveries.
 #[async_trait]
 pub trait Source: Send {
@@ -92,4 +113,11 @@ pub trait Source: Send {
     /// its end with every delivery settled). Sources of endless streams never
     /// return `None`.
     async fn next(&mut self) -> Result<Option<Delivery>, SourceError>;
+}
+
+#[async_trait]
+impl<S: Source + ?Sized> Source for Box<S> {
+    async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
+        (**self).next().await
+    }
 }

@@ -319,12 +319,45 @@ impl StoreAdmin for MemoryStore {
     async fn delete_dead_letter(&self, id: i64) -> Result<bool, StoreError> {
         Ok(self.state().dead_letters.remove(&id).is_some())
     }
+
+    async fn release(&self, consumer: &str, key: &str) -> Result<bool, StoreError> {
+        let mut state = self.state();
+        let id = scoped(consumer, key);
+        if matches!(state.keys.get(&id), Some(Entry::InFlight { .. })) {
+            state.keys.remove(&id);
+            return Ok(true);
+        }
+        Ok(false)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[tokio::test]
+    async fn release_frees_a_held_lease_and_the_stale_holder_cannot_complete() {
+        let store = MemoryStore::new();
+        let r = req(60_000);
+        let Claim::New(stale) = store.claim(&r).await.unwrap() else {
+            panic!("expected a new claim")
+        };
+        assert!(store.release("c", "k").await.unwrap());
+        assert!(!store.release("c", "k").await.unwrap());
+        let Claim::New(fresh) = store.claim(&r).await.unwrap() else {
+            panic!("the released key must be claimable at once")
+        };
+        assert!(matches!(
+            store.commit(stale, &r, None).await,
+            Err(StoreError::LeaseLost { .. })
+        ));
+        store.commit(fresh, &r, None).await.unwrap();
+        assert!(
+            !store.release("c", "k").await.unwrap(),
+            "done keys are not leases"
+        );
+    }
 
     fn req(lease_ms: u64) -> ClaimRequest<'static> {
         ClaimRequest {

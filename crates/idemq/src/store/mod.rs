@@ -15,9 +15,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 
 use crate::error::{InputError, StoreError};
-use crate::message::{DeliveryMeta, Headers, Message};
+use crate::message::{DeliveryMeta, Message};
 
+pub mod cache;
 pub mod memory;
+#[cfg(feature = "redis")]
+pub mod redis;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod sql;
 
@@ -244,6 +247,18 @@ pub trait StoreAdmin: Send + Sync {
 
     /// Deletes one dead letter (after a successful replay); whether it existed.
     async fn delete_dead_letter(&self, id: i64) -> Result<bool, StoreError>;
+
+    /// Frees the in-flight lease on `key` of `consumer` (lease stores), so
+    /// that the next delivery claims it at once instead of waiting for the
+    /// lease to expire; whether a lease was held. The holder, if it is still
+    /// alive, then fails to complete (its token no longer holds the key).
+    ///
+    /// SQL stores hold no leases: a dead worker's transaction is rolled back
+    /// by the database, which releases the row. They return `false`.
+    async fn release(&self, consumer: &str, key: &str) -> Result<bool, StoreError> {
+        let _ = (consumer, key);
+        Ok(false)
+    }
 }
 
 /// Milliseconds since the Unix epoch, now.
@@ -259,11 +274,13 @@ pub fn system_time_ms(t: SystemTime) -> i64 {
 }
 
 /// Parses a stored result column.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite", feature = "redis"))]
 pub(crate) fn parse_result(text: Option<String>) -> Option<serde_json::Value> {
     text.map(|t| serde_json::from_str(&t).unwrap_or(serde_json::Value::String(t)))
 }
 
 /// Rebuilds a message and its metadata from dead-letter columns.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite", feature = "redis"))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dead_letter_message(
     message_id: Option<String>,
@@ -278,7 +295,7 @@ pub(crate) fn dead_letter_message(
 ) -> (Message, DeliveryMeta) {
     let headers = headers_json
         .and_then(|h| serde_json::from_str::<serde_json::Value>(&h).ok())
-        .map(|v| Headers::from_json(&v))
+        .map(|v| crate::message::Headers::from_json(&v))
         .unwrap_or_default();
     let message = Message {
         id: message_id,

@@ -320,3 +320,95 @@ impl Backend for MemoryBackend {
 
     async fn cleanup(self) {}
 }
+
+/// The Redis lease store on 127.0.0.1:6379 (`IDEMQ_TEST_REDIS`) under a
+/// unique key prefix; like the memory backend, its ledger is in process and
+/// written only on success.
+#[cfg(feature = "redis")]
+pub struct RedisBackend {
+    store: idemq::store::redis::RedisStore,
+    prefix: String,
+    ledger: Arc<Mutex<Vec<(String, i64)>>>,
+}
+
+#[cfg(feature = "redis")]
+#[async_trait]
+impl Backend for RedisBackend {
+    type S = idemq::store::redis::RedisStore;
+
+    async fn fresh() -> Self {
+        let url =
+            std::env::var("IDEMQ_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let prefix = unique_prefix();
+        let store = idemq::store::redis::RedisStore::connect_with(
+            &url,
+            idemq::store::redis::RedisOptions::default().prefix(&prefix),
+        )
+        .await
+        .expect("connect to Redis");
+        Self {
+            store,
+            prefix,
+            ledger: Arc::default(),
+        }
+    }
+
+    fn store(&self) -> Self::S {
+        self.store.clone()
+    }
+
+    fn handler(&self, plan: Arc<Plan>) -> Box<dyn Handler<idemq::store::redis::RedisLease>> {
+        let ledger = Arc::clone(&self.ledger);
+        Box::new(handler_fn(
+            move |ctx: &Context<'_>, _lease: &mut idemq::store::redis::RedisLease| {
+                let plan = Arc::clone(&plan);
+                let ledger = Arc::clone(&ledger);
+                Box::pin(async move {
+                    if plan.hangs(ctx) {
+                        std::future::pending::<()>().await;
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    let verdict = plan.verdict(ctx)?;
+                    ledger
+                        .lock()
+                        .unwrap()
+                        .push((ctx.key.to_owned(), Plan::amount(ctx)));
+                    Ok(verdict)
+                })
+            },
+        ))
+    }
+
+    async fn ledger(&self) -> Vec<(String, i64)> {
+        let mut rows = self.ledger.lock().unwrap().clone();
+        rows.sort();
+        rows
+    }
+
+    async fn cleanup(self) {
+        let mut conn = self.store.connection().clone();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{}:*", self.prefix))
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await
+                .expect("scan");
+            if !keys.is_empty() {
+                let _: i64 = redis::cmd("DEL")
+                    .arg(&keys)
+                    .query_async(&mut conn)
+                    .await
+                    .expect("del");
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+    }
+}

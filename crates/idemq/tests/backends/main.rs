@@ -1,5 +1,6 @@
 //! The same exactly-once scenarios against every store: real PostgreSQL,
-//! MariaDB and SQLite servers/files, and the in-memory lease store.
+//! MariaDB and SQLite servers/files, the in-memory lease store and (feature
+//! `redis`) the Redis lease store.
 //!
 //! Every scenario applies messages to a ledger table that has **no** unique
 //! constraint, so a message applied twice shows up as two rows.
@@ -22,6 +23,11 @@ mod postgres {
 #[cfg(feature = "sqlite")]
 mod sqlite {
     crate::scenarios::suite!(crate::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);
+}
+
+#[cfg(feature = "redis")]
+mod redis {
+    crate::scenarios::suite!(crate::backend::RedisBackend);
 }
 
 mod memory {

@@ -1,0 +1,563 @@
+//! The RabbitMQ source against the real broker on 127.0.0.1:5672
+//! (`IDEMQ_TEST_AMQP`) with the PostgreSQL ledger: both kinds of duplicates,
+//! a crash after the commit and before the ack, a crash before the commit,
+//! delayed retries through the retry queues, competing consumers, and the
+//! poison accounting of quorum queues.
+#![cfg(all(feature = "amqp", feature = "postgres"))]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use idemq::source::amqp::{AmqpConfig, AmqpPublisher, AmqpSource, QueueType, REASON_HEADER};
+use idemq::source::{Delivery, Publisher, Source};
+use idemq::store::sql::postgres::PostgresStore;
+use idemq::store::DeadLetterReason;
+use idemq::{Consumer, Message, OutcomeKind, RetryPolicy, SourceError, Summary};
+use lapin::options::{BasicGetOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use support::{assert_dead_lettered, payment, workload, Ledger, Plan, SwallowAcks};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+fn amqp_url() -> String {
+    std::env::var("IDEMQ_TEST_AMQP")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// One test's queue topology, a publisher, and a plain channel to inspect it.
+struct Rabbit {
+    config: AmqpConfig,
+    publisher: AmqpPublisher,
+    inspect: lapin::Channel,
+    _connection: lapin::Connection,
+}
+
+impl Rabbit {
+    async fn new(queue_type: QueueType, prefetch: u16) -> Self {
+        let queue = support::unique("idemq_q");
+        let config = AmqpConfig::from_url(&format!("{}?queue={queue}", amqp_url()))
+            .unwrap()
+            .prefetch(prefetch)
+            .queue_type(queue_type);
+        let publisher = AmqpPublisher::connect(config.clone()).await.unwrap();
+        let connection =
+            lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+                .await
+                .unwrap();
+        let inspect = connection.create_channel().await.unwrap();
+        Self {
+            config,
+            publisher,
+            inspect,
+            _connection: connection,
+        }
+    }
+
+    async fn source(&self) -> AmqpSource {
+        AmqpSource::connect(self.config.clone()).await.unwrap()
+    }
+
+    async fn publish(&self, messages: &[Message]) {
+        for m in messages {
+            self.publisher.publish(m).await.unwrap();
+        }
+    }
+
+    /// Messages waiting in `queue`.
+    async fn ready(&self, queue: &str) -> u32 {
+        self.inspect
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap()
+            .message_count()
+    }
+
+    /// Takes everything from the dead-letter queue: (reason header, payment id).
+    async fn dead_letter_queue(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        let queue = self.config.dead_letter_queue();
+        while let Some(got) = self
+            .inspect
+            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        {
+            let d = got.delivery;
+            let reason = match d
+                .properties
+                .headers()
+                .as_ref()
+                .and_then(|h| h.inner().get(REASON_HEADER))
+            {
+                Some(AMQPValue::LongString(s)) => s.to_string(),
+                other => panic!("dead letter without a reason header: {other:?}"),
+            };
+            let payload: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
+            out.push((reason, payload["payment_id"].as_str().unwrap().to_owned()));
+        }
+        out.sort();
+        out
+    }
+
+    async fn cleanup(self) {
+        self.publisher.delete_topology().await.unwrap();
+        self.publisher.close().await.unwrap();
+    }
+}
+
+/// Outcomes counted as they happen.
+type Tally = Arc<Mutex<Summary>>;
+
+fn tally(
+    builder: idemq::ConsumerBuilder<PostgresStore>,
+) -> (idemq::ConsumerBuilder<PostgresStore>, Tally) {
+    let tally = Tally::default();
+    let t = Arc::clone(&tally);
+    (
+        builder.on_outcome(move |o| t.lock().unwrap().record(o.kind())),
+        tally,
+    )
+}
+
+/// Final outcomes (everything but retry_later).
+fn settled(tally: &Tally) -> u64 {
+    let s = tally.lock().unwrap();
+    s.total() - s.count(OutcomeKind::RetryLater)
+}
+
+/// A consumer running in a task until stopped.
+struct Running {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<Result<Summary, SourceError>>,
+}
+
+fn start(consumer: &Consumer<PostgresStore>, source: impl Source + 'static) -> Running {
+    let (stop, stopped) = oneshot::channel::<()>();
+    let consumer = consumer.clone();
+    let task = tokio::spawn(async move {
+        consumer
+            .run_until(source, async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    Running { stop, task }
+}
+
+impl Running {
+    async fn stop(self) -> Summary {
+        let _ = self.stop.send(());
+        self.task.await.unwrap().unwrap()
+    }
+
+    /// Kills the run mid-flight: its source, connection and in-flight
+    /// handlers are dropped without settling anything.
+    async fn kill(self) {
+        self.task.abort();
+        assert!(self.task.await.unwrap_err().is_cancelled());
+    }
+}
+
+/// Polls `check` every 50 ms until it holds; panics after `limit`.
+async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !check().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// One delivery as the engine saw it.
+#[derive(Debug, Clone)]
+struct Seen {
+    key: String,
+    count: u32,
+    headers: BTreeMap<String, String>,
+    at: Instant,
+}
+
+/// A source wrapper that records every delivery.
+struct Recording<S> {
+    inner: S,
+    log: Arc<Mutex<Vec<Seen>>>,
+}
+
+#[async_trait]
+impl<S: Source> Source for Recording<S> {
+    async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
+        let delivery = self.inner.next().await?;
+        if let Some(d) = &delivery {
+            self.log.lock().unwrap().push(Seen {
+                key: d.message.key.clone().unwrap_or_default(),
+                count: d.meta.delivery_count,
+                headers: d
+                    .message
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.to_owned(), String::from_utf8_lossy(v).into_owned()))
+                    .collect(),
+                at: Instant::now(),
+            });
+        }
+        Ok(delivery)
+    }
+}
+
+fn recording<S: Source>(inner: S) -> (Recording<S>, Arc<Mutex<Vec<Seen>>>) {
+    let log = Arc::default();
+    (
+        Recording {
+            inner,
+            log: Arc::clone(&log),
+        },
+        log,
+    )
+}
+
+#[tokio::test]
+async fn duplicates_of_both_kinds_apply_once_and_poison_is_dead_lettered_twice() {
+    let ledger = Ledger::new().await;
+    let rabbit = Rabbit::new(QueueType::Classic, 8).await;
+    let w = workload(20, 2);
+    let (builder, outcomes) = tally(ledger.consumer("amqp-dups", Arc::default()).concurrency(4));
+    let consumer = builder.build().unwrap();
+    let (source, seen) = recording(rabbit.source().await);
+    rabbit.publish(&w.messages).await;
+
+    let run = start(&consumer, source);
+    eventually(Duration::from_secs(20), "every message settled", || async {
+        settled(&outcomes) >= w.messages.len() as u64
+    })
+    .await;
+    let summary = run.stop().await;
+
+    ledger.assert_exactly_once(&w.expected).await;
+    assert_dead_lettered(
+        &ledger.dead_letters().await,
+        &w.poison,
+        &DeadLetterReason::PermanentFailure,
+    );
+    assert_eq!(
+        summary.count(OutcomeKind::Processed),
+        w.expected.len() as u64
+    );
+    assert_eq!(summary.count(OutcomeKind::Duplicate), w.duplicates as u64);
+    // The message mapping: key from the idemq-key header, headers kept.
+    let seen = seen.lock().unwrap().clone();
+    assert!(
+        seen.iter()
+            .all(|s| s.headers.get("event_id") == Some(&s.key)),
+        "{seen:?}"
+    );
+    // Dead letters are in the dead-letter queue too, with their reason.
+    let dlq = rabbit.dead_letter_queue().await;
+    let want: Vec<_> = w
+        .poison
+        .iter()
+        .map(|k| ("permanent_failure".to_owned(), k.clone()))
+        .collect();
+    assert_eq!(dlq, want);
+    assert_eq!(rabbit.ready(rabbit.config.queue_name()).await, 0);
+    rabbit.cleanup().await;
+    ledger.cleanup().await;
+}
+
+#[tokio::test]
+async fn crash_after_commit_before_ack_redelivers_as_duplicates() {
+    let ledger = Ledger::new().await;
+    // Prefetch above the workload: every ack is swallowed, so every delivery stays unacked.
+    let rabbit = Rabbit::new(QueueType::Classic, 100).await;
+    let w = workload(12, 0);
+    rabbit.publish(&w.messages).await;
+
+    let (builder, first) = tally(ledger.consumer("amqp-swallow", Arc::default()));
+    let consumer = builder.build().unwrap();
+    let swallowing = SwallowAcks::new(rabbit.source().await, |_| true);
+    let swallowed = Arc::clone(&swallowing.swallowed);
+    let run = start(&consumer, swallowing);
+    eventually(Duration::from_secs(20), "the first run", || async {
+        settled(&first) >= w.messages.len() as u64
+    })
+    .await;
+    // Stopping drops the source with the unacked deliveries: the consumer "died".
+    run.stop().await;
+    ledger.assert_exactly_once(&w.expected).await;
+    let swallowed = u64::from(swallowed.load(Ordering::SeqCst));
+    assert!(swallowed >= w.messages.len() as u64);
+
+    let (builder, second) = tally(ledger.consumer("amqp-swallow", Arc::default()));
+    let consumer = builder.build().unwrap();
+    let (source, seen) = recording(rabbit.source().await);
+    let run = start(&consumer, source);
+    eventually(Duration::from_secs(20), "the redeliveries", || async {
+        settled(&second) >= w.messages.len() as u64
+    })
+    .await;
+    let summary = run.stop().await;
+    assert_eq!(summary.count(OutcomeKind::Processed), 0, "{summary}");
+    assert_eq!(
+        summary.count(OutcomeKind::Duplicate),
+        w.messages.len() as u64
+    );
+    assert!(
+        seen.lock().unwrap().iter().all(|s| s.count >= 2),
+        "redelivered"
+    );
+    ledger.assert_exactly_once(&w.expected).await;
+    assert_eq!(rabbit.ready(rabbit.config.queue_name()).await, 0);
+    rabbit.cleanup().await;
+    ledger.cleanup().await;
+}
+
+#[tokio::test]
+async fn crash_before_commit_applies_once_after_restart() {
+    let ledger = Ledger::new().await;
+    let rabbit = Rabbit::new(QueueType::Classic, 8).await;
+    let plan = Arc::new(Plan::default());
+    let consumer = ledger
+        .consumer("amqp-kill", Arc::clone(&plan))
+        .build()
+        .unwrap();
+    rabbit
+        .publish(&[payment(
+            "m-slow",
+            "p-slow",
+            7,
+            serde_json::json!({ "sleep_ms": 700 }),
+        )])
+        .await;
+
+    let run = start(&consumer, rabbit.source().await);
+    eventually(Duration::from_secs(10), "the handler to start", || async {
+        plan.calls.load(Ordering::SeqCst) >= 1
+    })
+    .await;
+    run.kill().await; // mid-handler, before the commit
+    assert!(ledger.rows().await.is_empty());
+
+    let (source, seen) = recording(rabbit.source().await);
+    let run = start(&consumer, source);
+    let rows = ledger
+        .wait_for(Duration::from_secs(10), |rows| !rows.is_empty())
+        .await;
+    assert_eq!(rows.len(), 1);
+    let summary = run.stop().await;
+    assert_eq!(summary.count(OutcomeKind::Processed), 1, "{summary}");
+    assert_eq!(plan.calls.load(Ordering::SeqCst), 2);
+    assert_eq!(seen.lock().unwrap()[0].count, 2, "a redelivery");
+    ledger
+        .assert_exactly_once(&BTreeMap::from([("p-slow".to_owned(), 7)]))
+        .await;
+    rabbit.cleanup().await;
+    ledger.cleanup().await;
+}
+
+#[tokio::test]
+async fn retries_go_through_the_delayed_retry_queues() {
+    let ledger = Ledger::new().await;
+    let rabbit = Rabbit::new(QueueType::Classic, 8).await;
+    let plan = Arc::new(Plan::default());
+    // fast_retry: 3 attempts, backoff 50 ms then 100 ms.
+    let consumer = ledger
+        .consumer("amqp-retry", Arc::clone(&plan))
+        .build()
+        .unwrap();
+    let (source, seen) = recording(rabbit.source().await);
+    let started = Instant::now();
+    rabbit
+        .publish(&[
+            payment(
+                "m-flaky",
+                "p-flaky",
+                5,
+                serde_json::json!({ "fail": "retry", "fail_times": 2 }),
+            ),
+            payment("m-bad", "p-bad", 6, serde_json::json!({ "fail": "retry" })),
+        ])
+        .await;
+    let run = start(&consumer, source);
+    eventually(
+        Duration::from_secs(10),
+        "success and dead letter",
+        || async { ledger.rows().await.len() == 1 && ledger.dead_letters().await.len() == 1 },
+    )
+    .await;
+    let elapsed = started.elapsed();
+    let summary = run.stop().await;
+
+    ledger
+        .assert_exactly_once(&BTreeMap::from([("p-flaky".to_owned(), 5)]))
+        .await;
+    assert_dead_lettered(
+        &ledger.dead_letters().await,
+        &["p-bad".to_owned()],
+        &DeadLetterReason::RetriesExhausted,
+    );
+    assert_eq!(summary.count(OutcomeKind::RetryLater), 4, "{summary}");
+    assert!(elapsed >= Duration::from_millis(150), "{elapsed:?}");
+
+    let seen = seen.lock().unwrap().clone();
+    for key in ["p-flaky", "p-bad"] {
+        let tries: Vec<_> = seen.iter().filter(|s| s.key == key).collect();
+        let counts: Vec<_> = tries.iter().map(|s| s.count).collect();
+        assert_eq!(counts, [1, 2, 3], "{key}: {seen:?}");
+        // Each retry waited its backoff in its retry queue, whence it was
+        // dead-lettered back (x-death names the queue).
+        for (i, (delay, bucket)) in [(50, "retry.50ms"), (100, "retry.100ms")]
+            .iter()
+            .enumerate()
+        {
+            let gap = tries[i + 1].at - tries[i].at;
+            assert!(
+                gap >= Duration::from_millis(*delay),
+                "{key} retry {i}: {gap:?}"
+            );
+            let death = &tries[i + 1].headers["x-death"];
+            assert!(death.contains(bucket), "{key} retry {i}: {death}");
+        }
+    }
+    assert_eq!(
+        rabbit.dead_letter_queue().await,
+        [("retries_exhausted".to_owned(), "p-bad".to_owned())]
+    );
+    rabbit.cleanup().await;
+    ledger.cleanup().await;
+}
+
+#[tokio::test]
+async fn competing_consumers_share_the_queue_exactly_once() {
+    let ledger = Ledger::new().await;
+    let rabbit = Rabbit::new(QueueType::Classic, 2).await;
+    let w = workload(30, 1);
+    let (a, tally_a) = tally(
+        ledger
+            .consumer("amqp-compete", Arc::default())
+            .concurrency(2),
+    );
+    let (b, tally_b) = tally(
+        ledger
+            .consumer("amqp-compete", Arc::default())
+            .concurrency(2),
+    );
+    let (a, b) = (a.build().unwrap(), b.build().unwrap());
+    let run_a = start(&a, rabbit.source().await);
+    let run_b = start(&b, rabbit.source().await);
+    rabbit.publish(&w.messages).await;
+
+    eventually(Duration::from_secs(20), "every message settled", || async {
+        settled(&tally_a) + settled(&tally_b) >= w.messages.len() as u64
+    })
+    .await;
+    let (sa, sb) = (run_a.stop().await, run_b.stop().await);
+    assert!(
+        sa.count(OutcomeKind::Processed) > 0 && sb.count(OutcomeKind::Processed) > 0,
+        "both consumers worked: {sa} / {sb}"
+    );
+    assert_eq!(
+        sa.count(OutcomeKind::Processed) + sb.count(OutcomeKind::Processed),
+        w.expected.len() as u64
+    );
+    ledger.assert_exactly_once(&w.expected).await;
+    assert_dead_lettered(
+        &ledger.dead_letters().await,
+        &w.poison,
+        &DeadLetterReason::PermanentFailure,
+    );
+    assert_eq!(rabbit.dead_letter_queue().await.len(), w.poison.len());
+    assert_eq!(rabbit.ready(rabbit.config.queue_name()).await, 0);
+    rabbit.cleanup().await;
+    ledger.cleanup().await;
+}
+
+#[tokio::test]
+async fn quorum_queue_delivery_count_dead_letters_a_consumer_killer() {
+    let ledger = Ledger::new().await;
+    let rabbit = Rabbit::new(QueueType::Quorum, 8).await;
+    let plan = Arc::new(Plan::default());
+    let consumer = ledger
+        .consumer("amqp-quorum", Arc::clone(&plan))
+        .retry(RetryPolicy {
+            max_deliveries: Some(2),
+            ..support::fast_retry()
+        })
+        .build()
+        .unwrap();
+    rabbit
+        .publish(&[payment(
+            "m-killer",
+            "p-killer",
+            9,
+            serde_json::json!({ "sleep_ms": 60_000 }),
+        )])
+        .await;
+
+    // Two consumers die in the middle of the handler.
+    let mut counts = Vec::new();
+    for round in 1..=2u32 {
+        let (source, seen) = recording(rabbit.source().await);
+        let run = start(&consumer, source);
+        eventually(Duration::from_secs(10), "the handler to start", || async {
+            plan.calls.load(Ordering::SeqCst) >= round
+        })
+        .await;
+        run.kill().await;
+        let seen = seen.lock().unwrap().clone();
+        counts.push((
+            seen[0].count,
+            seen[0].headers.get("x-delivery-count").cloned(),
+        ));
+    }
+    // The third delivery is past max_deliveries: dead-lettered without running.
+    let (source, seen) = recording(rabbit.source().await);
+    let run = start(&consumer, source);
+    eventually(Duration::from_secs(10), "the dead letter", || async {
+        !ledger.dead_letters().await.is_empty()
+    })
+    .await;
+    let summary = run.stop().await;
+    let seen = seen.lock().unwrap().clone();
+    counts.push((
+        seen[0].count,
+        seen[0].headers.get("x-delivery-count").cloned(),
+    ));
+
+    assert_eq!(
+        counts,
+        [
+            (1, None),
+            (2, Some("1".to_owned())),
+            (3, Some("2".to_owned()))
+        ]
+    );
+    assert_eq!(summary.count(OutcomeKind::DeadLettered), 1, "{summary}");
+    assert_eq!(plan.calls.load(Ordering::SeqCst), 2);
+    assert!(ledger.rows().await.is_empty());
+    assert_dead_lettered(
+        &ledger.dead_letters().await,
+        &["p-killer".to_owned()],
+        &DeadLetterReason::DeliveryLimit,
+    );
+    assert_eq!(
+        rabbit.dead_letter_queue().await,
+        [("delivery_limit".to_owned(), "p-killer".to_owned())]
+    );
+    rabbit.cleanup().await;
+    ledger.cleanup().await;
+}

@@ -1,0 +1,630 @@
+//! The Kafka source against a real Kafka-compatible broker (tansu on
+//! 127.0.0.1:9092, started by `scripts/kafka.sh`) with the PostgreSQL ledger:
+//! duplicates of both kinds, poison, a crash between the inbox commit and the
+//! offset commit, a crash inside the handler, retries, a rebalance with
+//! messages in flight, and order within a partition.
+#![cfg(all(feature = "kafka", feature = "postgres"))]
+
+mod support;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idemq::source::kafka::{
+    default_key_spec, KafkaConfig, KafkaPublisher, KafkaSource, DEAD_LETTER_REASON_HEADER,
+};
+use idemq::source::{Publisher, Source};
+use idemq::store::sql::postgres::PostgresStore;
+use idemq::store::DeadLetterReason;
+use idemq::{handler_fn, Consumer, HandlerError, Message, OutcomeKind, Summary};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::{Headers as _, Message as _};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use support::{payment, Ledger, PgTx, Plan};
+
+const BROKERS: &str = "127.0.0.1:9092";
+const PARTITIONS: i32 = 3;
+
+/// A fresh topic with `partitions` partitions.
+async fn new_topic(partitions: i32) -> String {
+    let name = support::unique("idemq");
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", BROKERS)
+        .create()
+        .unwrap();
+    let results = admin
+        .create_topics(
+            &[NewTopic::new(&name, partitions, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await
+        .expect("create topic (is scripts/kafka.sh running?)");
+    for r in results {
+        r.expect("topic created");
+    }
+    name
+}
+
+/// Short session and heartbeat so that rebalances are quick.
+fn config(topic: &str, group: &str) -> KafkaConfig {
+    KafkaConfig::new(BROKERS, topic, group)
+        .session_timeout(Duration::from_secs(6))
+        .revoke_grace(Duration::from_secs(2))
+        .set("heartbeat.interval.ms", "500")
+}
+
+async fn source(topic: &str, group: &str) -> KafkaSource {
+    KafkaSource::connect(config(topic, group)).await.unwrap()
+}
+
+async fn publish(topic: &str, messages: &[Message]) {
+    let publisher = KafkaPublisher::connect(BROKERS, topic).await.unwrap();
+    for m in messages {
+        publisher.publish(m).await.unwrap();
+    }
+    publisher.flush().await.unwrap();
+}
+
+/// Waits until the group's committed offsets reach the end of every
+/// partition: every record was settled and its offset committed.
+async fn committed_to_end(topic: &str, group: &str, limit: Duration) -> bool {
+    let (topic, group) = (topic.to_owned(), group.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", BROKERS)
+            .set("group.id", &group)
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap();
+        let mut ends = Vec::new();
+        for p in 0..PARTITIONS {
+            ends.push(
+                c.fetch_watermarks(&topic, p, Duration::from_secs(5))
+                    .unwrap()
+                    .1,
+            );
+        }
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..PARTITIONS {
+            tpl.add_partition(&topic, p);
+        }
+        let deadline = std::time::Instant::now() + limit;
+        while std::time::Instant::now() < deadline {
+            if let Ok(committed) = c.committed_offsets(tpl.clone(), Duration::from_secs(5)) {
+                let done = committed.elements().iter().all(|e| {
+                    let end = ends[e.partition() as usize];
+                    e.offset() == Offset::Offset(end) || (end == 0 && e.offset() == Offset::Invalid)
+                });
+                if done {
+                    return true;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        false
+    })
+    .await
+    .unwrap()
+}
+
+/// Runs `consumer` over `source` until the group committed every offset of
+/// the topic, then stops it; panics if that takes longer than `limit`.
+async fn run_to_end(
+    consumer: &Consumer<PostgresStore>,
+    source: impl Source,
+    topic: &str,
+    group: &str,
+    limit: Duration,
+) -> Summary {
+    let reached = AtomicBool::new(false);
+    let summary = consumer
+        .run_until(source, async {
+            reached.store(
+                committed_to_end(topic, group, limit).await,
+                Ordering::SeqCst,
+            );
+        })
+        .await
+        .unwrap();
+    assert!(
+        reached.load(Ordering::SeqCst),
+        "offsets were not committed to the end in {limit:?}: {summary}"
+    );
+    summary
+}
+
+/// Reads every record of a one-partition topic without joining a group.
+async fn read_all(topic: &str, expect: usize) -> Vec<(Option<String>, Vec<u8>, Option<String>)> {
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", BROKERS)
+            .set("group.id", support::unique("reader"))
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap();
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&topic, 0, Offset::Beginning)
+            .unwrap();
+        c.assign(&tpl).unwrap();
+        let mut out = Vec::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        while out.len() < expect && std::time::Instant::now() < deadline {
+            if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
+                let reason = m.headers().and_then(|h| {
+                    h.iter()
+                        .find(|h| h.key == DEAD_LETTER_REASON_HEADER)
+                        .and_then(|h| h.value)
+                        .map(|v| String::from_utf8_lossy(v).into_owned())
+                });
+                let key = m.key().map(|k| String::from_utf8_lossy(k).into_owned());
+                out.push((key, m.payload().unwrap_or_default().to_vec(), reason));
+            }
+        }
+        out
+    })
+    .await
+    .unwrap()
+}
+
+/// Both kinds of duplicates are applied once, poison and an undecodable
+/// record are dead-lettered (in the table and on the dead-letter topic), and
+/// the partitions move on to their end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_poison_and_bad_records() {
+    let ledger = Ledger::new().await;
+    let topic = new_topic(PARTITIONS).await;
+    let dlq = new_topic(1).await;
+    let group = support::unique("g");
+    let work = support::workload(30, 2);
+    publish(&topic, &work.messages).await;
+    // A record whose key is not UTF-8, published around the publisher.
+    let raw: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", BROKERS)
+        .create()
+        .unwrap();
+    raw.send(
+        FutureRecord::to(&topic)
+            .key(&[0xff_u8, 0xfe][..])
+            .payload(r#"{"payment_id":"bad-key","amount":1}"#),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+
+    let consumer = ledger
+        .consumer("kafka-dups", Arc::new(Plan::default()))
+        .key(default_key_spec())
+        .build()
+        .unwrap();
+    let source = KafkaSource::connect(config(&topic, &group).dead_letter_topic(&dlq))
+        .await
+        .unwrap();
+    let summary = run_to_end(&consumer, source, &topic, &group, Duration::from_secs(60)).await;
+
+    ledger.assert_exactly_once(&work.expected).await;
+    assert_eq!(
+        summary.count(OutcomeKind::Processed),
+        work.expected.len() as u64
+    );
+    assert_eq!(
+        summary.count(OutcomeKind::Duplicate),
+        work.duplicates as u64
+    );
+    assert_eq!(summary.count(OutcomeKind::DeadLettered), 3);
+    let letters = ledger.dead_letters().await;
+    support::assert_dead_lettered(&letters, &work.poison, &DeadLetterReason::PermanentFailure);
+    let poison = letters
+        .iter()
+        .find(|l| l.key.as_deref() == Some("poison-0"))
+        .unwrap();
+    assert_eq!(poison.message.id.as_deref(), Some("m-poison-0"));
+    assert_eq!(poison.meta.source, "kafka");
+    assert_eq!(poison.meta.topic.as_deref(), Some(topic.as_str()));
+    assert!(poison.meta.partition.is_some() && poison.meta.offset.is_some());
+    let bad: Vec<_> = letters
+        .iter()
+        .filter(|l| l.reason == "malformed_record")
+        .collect();
+    assert_eq!(bad.len(), 1, "{letters:?}");
+    assert!(bad[0]
+        .message
+        .id
+        .as_deref()
+        .unwrap()
+        .starts_with(&format!("{topic}-")));
+    assert!(bad[0]
+        .message
+        .payload
+        .starts_with(br#"{"payment_id":"bad-key""#));
+
+    let mut forwarded = read_all(&dlq, 3).await;
+    forwarded.sort();
+    let reasons: Vec<_> = forwarded
+        .iter()
+        .map(|(k, _, r)| (k.clone(), r.clone()))
+        .collect();
+    assert_eq!(
+        reasons,
+        vec![
+            (None, Some("malformed_record".into())),
+            (Some("poison-0".into()), Some("permanent_failure".into())),
+            (Some("poison-1".into()), Some("permanent_failure".into())),
+        ]
+    );
+    ledger.cleanup().await;
+}
+
+/// The consumer commits the inbox transaction but dies before the offsets
+/// are committed: the next member of the group gets those records again and
+/// the inbox answers "duplicate".
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn crash_after_commit_before_offset_commit() {
+    let ledger = Ledger::new().await;
+    let topic = new_topic(PARTITIONS).await;
+    let group = support::unique("g");
+    let work = support::workload(20, 0);
+    publish(&topic, &work.messages).await;
+    let plan = Arc::new(Plan::default());
+
+    let first = ledger
+        .consumer("kafka-crash", Arc::clone(&plan))
+        .build()
+        .unwrap();
+    let wrapped = support::SwallowAcks::new(source(&topic, &group).await, |_| true);
+    let swallowed = Arc::clone(&wrapped.swallowed);
+    let summary = first
+        .run_until(wrapped, async {
+            // One delivery per partition is handed out at a time, so every
+            // partition stops at its first (swallowed) record.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            while swallowed.load(Ordering::SeqCst) < PARTITIONS as u32
+                && tokio::time::Instant::now() < deadline
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        })
+        .await
+        .unwrap();
+    let crashed = u64::from(swallowed.load(Ordering::SeqCst));
+    assert_eq!(
+        crashed, PARTITIONS as u64,
+        "one swallowed ack per partition"
+    );
+    assert_eq!(summary.count(OutcomeKind::Processed), crashed);
+    assert_eq!(ledger.rows().await.len() as u64, crashed);
+
+    let second = ledger
+        .consumer("kafka-crash", Arc::clone(&plan))
+        .build()
+        .unwrap();
+    let summary = run_to_end(
+        &second,
+        source(&topic, &group).await,
+        &topic,
+        &group,
+        Duration::from_secs(60),
+    )
+    .await;
+    ledger.assert_exactly_once(&work.expected).await;
+    assert_eq!(
+        summary.count(OutcomeKind::Processed),
+        work.expected.len() as u64 - crashed
+    );
+    assert_eq!(
+        summary.count(OutcomeKind::Duplicate),
+        work.duplicates as u64 + crashed,
+        "the records whose offsets were not committed come back as duplicates"
+    );
+    ledger.cleanup().await;
+}
+
+/// The consumer is killed inside a handler, before the inbox commit: the
+/// transaction rolls back, the record is redelivered after the restart and
+/// applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn crash_inside_the_handler() {
+    let ledger = Ledger::new().await;
+    let topic = new_topic(PARTITIONS).await;
+    let group = support::unique("g");
+    let mut messages = vec![payment(
+        "m-slow",
+        "p-slow",
+        7,
+        serde_json::json!({ "sleep_ms": 1500 }),
+    )];
+    let mut expected = BTreeMap::from([("p-slow".to_owned(), 7)]);
+    for i in 0..12 {
+        messages.push(payment(
+            &format!("m-{i}"),
+            &format!("p-{i}"),
+            i + 1,
+            serde_json::json!({}),
+        ));
+        expected.insert(format!("p-{i}"), i + 1);
+    }
+    publish(&topic, &messages).await;
+    let plan = Arc::new(Plan::default());
+
+    let consumer = ledger
+        .consumer("kafka-kill", Arc::clone(&plan))
+        .build()
+        .unwrap();
+    let first = source(&topic, &group).await;
+    let run = tokio::spawn({
+        let consumer = consumer.clone();
+        async move { consumer.run(first).await }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while plan.calls.load(Ordering::SeqCst) == 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    run.abort(); // the slow handler is still sleeping: killed before its commit
+    assert!(run.await.unwrap_err().is_cancelled());
+    let before = ledger.rows().await;
+    assert!(
+        before.iter().all(|(k, _)| k != "p-slow"),
+        "the killed handler's effect must not be visible"
+    );
+    assert!(before.len() < expected.len());
+
+    let summary = run_to_end(
+        &consumer,
+        source(&topic, &group).await,
+        &topic,
+        &group,
+        Duration::from_secs(60),
+    )
+    .await;
+    ledger.assert_exactly_once(&expected).await;
+    assert!(summary.count(OutcomeKind::Processed) >= 1, "{summary}");
+    assert_eq!(summary.count(OutcomeKind::DeadLettered), 0);
+    ledger.cleanup().await;
+}
+
+/// A handler that fails twice then succeeds is applied once; one that always
+/// fails is dead-lettered after the retry limit, and the partition (all
+/// records share one key here) moves on past both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retries_then_dead_letter() {
+    let ledger = Ledger::new().await;
+    let topic = new_topic(PARTITIONS).await;
+    let group = support::unique("g");
+    let one_partition = |mut m: Message| {
+        m.key = Some("same-partition".into());
+        m
+    };
+    let messages: Vec<Message> = [
+        payment(
+            "m-flaky",
+            "p-flaky",
+            5,
+            serde_json::json!({ "fail": "retry", "fail_times": 2 }),
+        ),
+        payment("m-bad", "p-bad", 6, serde_json::json!({ "fail": "retry" })),
+        payment("m-1", "p-1", 1, serde_json::json!({})),
+        payment("m-2", "p-2", 2, serde_json::json!({})),
+        payment("m-3", "p-3", 3, serde_json::json!({})),
+    ]
+    .into_iter()
+    .map(one_partition)
+    .collect();
+    publish(&topic, &messages).await;
+    let plan = Arc::new(Plan::default());
+    let consumer = ledger
+        .consumer("kafka-retry", Arc::clone(&plan))
+        .build()
+        .unwrap();
+    let summary = run_to_end(
+        &consumer,
+        source(&topic, &group).await,
+        &topic,
+        &group,
+        Duration::from_secs(60),
+    )
+    .await;
+
+    let expected = BTreeMap::from([
+        ("p-flaky".to_owned(), 5),
+        ("p-1".to_owned(), 1),
+        ("p-2".to_owned(), 2),
+        ("p-3".to_owned(), 3),
+    ]);
+    ledger.assert_exactly_once(&expected).await;
+    assert_eq!(summary.count(OutcomeKind::Processed), 4);
+    assert_eq!(summary.count(OutcomeKind::RetryLater), 2 + 2);
+    assert_eq!(plan.calls.load(Ordering::SeqCst), 3 + 3 + 3);
+    let letters = ledger.dead_letters().await;
+    support::assert_dead_lettered(
+        &letters,
+        &["p-bad".to_owned()],
+        &DeadLetterReason::RetriesExhausted,
+    );
+    assert_eq!(letters[0].attempts, 3);
+    assert_eq!(
+        letters[0].meta.delivery_count, 3,
+        "the same record, delivered three times"
+    );
+    ledger.cleanup().await;
+}
+
+/// Two members of one group compete for the partitions; the second joins
+/// while the first has messages in flight, forcing a rebalance. Every
+/// message is applied exactly once and none is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn competing_consumers_and_a_rebalance() {
+    let ledger = Ledger::new().await;
+    let topic = new_topic(PARTITIONS).await;
+    let group = support::unique("g");
+    let mut messages = Vec::new();
+    let mut expected = BTreeMap::new();
+    // About 7.5 s of work for one member; a rebalance takes about 3.5 s on tansu.
+    for i in 0..75 {
+        let m = payment(
+            &format!("m-{i}"),
+            &format!("p-{i}"),
+            i + 1,
+            serde_json::json!({ "sleep_ms": 300 }),
+        );
+        messages.push(m.clone());
+        if i % 5 == 0 {
+            messages.push(m); // redelivered by the producer with the same id
+        }
+        expected.insert(format!("p-{i}"), i + 1);
+    }
+    publish(&topic, &messages).await;
+    let plan = Arc::new(Plan::default());
+    let seen = Arc::new(AtomicUsize::new(0));
+    let build = |seen: Arc<AtomicUsize>| {
+        ledger
+            .consumer("kafka-group", Arc::clone(&plan))
+            .on_outcome(move |_| {
+                seen.fetch_add(1, Ordering::SeqCst);
+            })
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (build(Arc::clone(&seen)), build(Arc::default()));
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let first = source(&topic, &group).await;
+    let run_a = tokio::spawn({
+        let stop = Arc::clone(&stop);
+        async move { a.run_until(first, stop.notified_owned()).await.unwrap() }
+    });
+    // Start the second member while the first is busy.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while seen.load(Ordering::SeqCst) < 5 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        seen.load(Ordering::SeqCst) < messages.len(),
+        "the first member finished too early"
+    );
+    let second = source(&topic, &group).await;
+    let run_b = tokio::spawn({
+        let stop = Arc::clone(&stop);
+        async move { b.run_until(second, stop.notified_owned()).await.unwrap() }
+    });
+    let done = committed_to_end(&topic, &group, Duration::from_secs(90)).await;
+    stop.notify_waiters();
+    let (sa, sb) = (run_a.await.unwrap(), run_b.await.unwrap());
+    assert!(done, "offsets were not committed to the end: {sa} / {sb}");
+    ledger.assert_exactly_once(&expected).await;
+    let total = |s: &Summary| s.count(OutcomeKind::Processed) + s.count(OutcomeKind::Duplicate);
+    assert!(
+        total(&sb) > 0,
+        "the second member got no partition: {sa} / {sb}"
+    );
+    assert_eq!(
+        sa.count(OutcomeKind::Processed) + sb.count(OutcomeKind::Processed),
+        expected.len() as u64
+    );
+    assert!(total(&sa) + total(&sb) >= messages.len() as u64);
+    ledger.cleanup().await;
+}
+
+/// Records of one key (one partition) reach the handler in order, even when
+/// some fail and are retried; different partitions run concurrently, but
+/// never two deliveries of one partition at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn order_within_a_partition() {
+    const KEYS: usize = 9;
+    const SEQ: u64 = 12;
+    let ledger = Ledger::new().await;
+    let topic = new_topic(PARTITIONS).await;
+    let group = support::unique("g");
+    let mut messages = Vec::new();
+    for seq in 0..SEQ {
+        for k in 0..KEYS {
+            let key = format!("k{k}");
+            messages.push(
+                Message::new(serde_json::json!({ "key": key, "seq": seq }).to_string())
+                    .with_id(format!("{key}-{seq}"))
+                    .with_key(key.clone())
+                    .with_header("event_id", format!("{key}-{seq}")),
+            );
+        }
+    }
+    publish(&topic, &messages).await;
+
+    let seen: Arc<Mutex<BTreeMap<String, Vec<u64>>>> = Arc::default();
+    let busy: Arc<Mutex<HashSet<i32>>> = Arc::default();
+    let max_busy = Arc::new(AtomicUsize::new(0));
+    let overlaps = Arc::new(AtomicU32::new(0));
+    let consumer = Consumer::builder("kafka-order", ledger.store.clone())
+        .key(default_key_spec())
+        .retry(support::fast_retry())
+        .handler(handler_fn({
+            let (seen, busy, max_busy, overlaps) = (
+                Arc::clone(&seen),
+                Arc::clone(&busy),
+                Arc::clone(&max_busy),
+                Arc::clone(&overlaps),
+            );
+            move |ctx, _tx: &mut PgTx| {
+                let (seen, busy, max_busy, overlaps) = (
+                    Arc::clone(&seen),
+                    Arc::clone(&busy),
+                    Arc::clone(&max_busy),
+                    Arc::clone(&overlaps),
+                );
+                Box::pin(async move {
+                    let p: serde_json::Value =
+                        ctx.message.json().map_err(HandlerError::permanent)?;
+                    let partition = ctx.meta.partition.unwrap_or(-1);
+                    {
+                        let mut busy = busy.lock().unwrap();
+                        if !busy.insert(partition) {
+                            overlaps.fetch_add(1, Ordering::SeqCst);
+                        }
+                        max_busy.fetch_max(busy.len(), Ordering::SeqCst);
+                    }
+                    tokio::time::sleep(Duration::from_millis(15)).await;
+                    busy.lock().unwrap().remove(&partition);
+                    let seq = p["seq"].as_u64().unwrap_or(u64::MAX);
+                    if seq % 5 == 3 && ctx.meta.delivery_count == 1 {
+                        return Err(HandlerError::retryable("first attempt fails"));
+                    }
+                    let key = p["key"].as_str().unwrap_or_default().to_owned();
+                    seen.lock().unwrap().entry(key).or_default().push(seq);
+                    Ok(None)
+                })
+            }
+        }))
+        .build()
+        .unwrap();
+    let summary = run_to_end(
+        &consumer,
+        source(&topic, &group).await,
+        &topic,
+        &group,
+        Duration::from_secs(60),
+    )
+    .await;
+
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "two deliveries of one partition at once"
+    );
+    assert!(
+        max_busy.load(Ordering::SeqCst) >= 2,
+        "partitions were not processed concurrently"
+    );
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), KEYS);
+    for (key, seqs) in &seen {
+        assert_eq!(seqs, &(0..SEQ).collect::<Vec<_>>(), "order of {key}");
+    }
+    assert_eq!(summary.count(OutcomeKind::Processed), KEYS as u64 * SEQ);
+    assert_eq!(summary.count(OutcomeKind::RetryLater), KEYS as u64 * 2);
+    ledger.cleanup().await;
+}

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Makes sure a Kafka-compatible broker answers on 127.0.0.1:9092 for the
+# `kafka` tests: installs tansu 0.6.0 (SQLite storage engine) with cargo once,
+# unless `tansu` is already on PATH or in ~/.cargo/bin, then starts it in the
+# background in ${IDEMQ_TOOLS:-$HOME/.idemq-tools}/kafka unless something
+# already listens on the port. Idempotent.
+# Topics are not auto-created by tansu: the tests create theirs.
+set -euo pipefail
+
+TOOLS="${IDEMQ_TOOLS:-$HOME/.idemq-tools}"
+RUN="$TOOLS/kafka"
+HOST=127.0.0.1
+PORT=9092
+LOG="$RUN/tansu.log"
+PIDFILE="$RUN/tansu.pid"
+
+listening() {
+  (exec 3<>"/dev/tcp/$HOST/$PORT") >/dev/null 2>&1
+}
+
+if listening; then
+  echo "kafka: something already listens on $HOST:$PORT"
+  exit 0
+fi
+
+TANSU="$(command -v tansu || true)"
+if [ -z "$TANSU" ] && [ -x "$HOME/.cargo/bin/tansu" ]; then
+  TANSU="$HOME/.cargo/bin/tansu"
+fi
+if [ -z "$TANSU" ]; then
+  echo "kafka: installing tansu 0.6.0 with cargo (about 12 minutes, once)"
+  CARGO_TARGET_DIR=/tmp/tansu-target cargo install tansu --version 0.6.0 --locked --features libsql
+  TANSU="$HOME/.cargo/bin/tansu"
+fi
+
+mkdir -p "$RUN"
+if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
+  echo "kafka: tansu (pid $(cat "$PIDFILE")) is running; waiting for its port"
+else
+  echo "kafka: starting tansu on $HOST:$PORT (state and log in $RUN)"
+  (
+    cd "$RUN"
+    setsid nohup "$TANSU" broker \
+      --listener-url "tcp://$HOST:$PORT" \
+      --advertised-listener-url "tcp://$HOST:$PORT" \
+      --storage-engine sqlite://tansu.db \
+      >>"$LOG" 2>&1 </dev/null &
+    echo $! >"$PIDFILE"
+  )
+fi
+
+for _ in $(seq 1 120); do
+  if listening; then
+    echo "kafka: tansu answers on $HOST:$PORT"
+    exit 0
+  fi
+  if ! kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
+    break
+  fi
+  sleep 0.5
+done
+echo "kafka: tansu does not listen on $HOST:$PORT; the end of $LOG:" >&2
+tail -n 30 "$LOG" >&2 || true
+exit 1
