@@ -8,7 +8,6 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use anyhow::Result;
-use idemq::store::sql::SqlOptions;
 use idemq::store::{Store, StoreAdmin};
 use idemq::template::Placeholder;
 use idemq::StoreError;
@@ -28,6 +27,9 @@ pub enum Kind {
     /// MySQL or MariaDB (`mysql://`, `mariadb://`).
     #[cfg(feature = "mysql")]
     MySql,
+    /// The Redis lease store (`redis://`, `rediss://`).
+    #[cfg(feature = "redis")]
+    Redis,
 }
 
 /// A parsed `--store` URL.
@@ -49,7 +51,7 @@ impl fmt::Display for StoreUrl {
 
 /// The error for a backend that exists but was left out of this build.
 #[allow(dead_code)] // unused when every backend feature is enabled
-fn compiled_out(name: &str, feature: &str) -> String {
+pub(crate) fn compiled_out(name: &str, feature: &str) -> String {
     format!("this idemq was built without {name} support (cargo feature `{feature}`)")
 }
 
@@ -94,10 +96,20 @@ impl FromStr for StoreUrl {
                     return Err(compiled_out("MySQL/MariaDB", "mysql"));
                 }
             }
+            "redis" | "rediss" => {
+                #[cfg(feature = "redis")]
+                {
+                    Kind::Redis
+                }
+                #[cfg(not(feature = "redis"))]
+                {
+                    return Err(compiled_out("Redis", "redis"));
+                }
+            }
             other => {
                 return Err(format!(
                     "unknown store scheme {other:?} in {display}: expected sqlite:, postgres://, \
-                     postgresql://, mysql:// or mariadb://"
+                     postgresql://, mysql://, mariadb:// or redis://"
                 ))
             }
         };
@@ -111,7 +123,7 @@ impl FromStr for StoreUrl {
 }
 
 /// Masks the password of `scheme://user:password@host/…`.
-fn redact(url: &str) -> String {
+pub(crate) fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };
@@ -126,20 +138,24 @@ fn redact(url: &str) -> String {
     }
 }
 
-/// A store the CLI can drive: the library's traits plus what the SQL sink
-/// and `--init-sql` need from the concrete database.
-pub trait Backend: Store + StoreAdmin + Sized {
+/// How a SQL database takes `--apply-sql` statements.
+#[derive(Debug, Clone, Copy)]
+pub struct SqlDialect {
     /// How the database spells bind parameters.
-    const PLACEHOLDER: Placeholder;
-
+    pub placeholder: Placeholder,
     /// Whether `--apply-sql` statements may be cached per connection. Not on
     /// PostgreSQL: sqlx caches a statement by its text with the parameter
     /// types of its first use, so a later message binding another type (an
     /// integer where the first had text or null) would fail.
-    const CACHE_STATEMENTS: bool;
+    pub cache_statements: bool,
+}
 
-    /// Connects (without migrating).
-    async fn connect(url: &str, options: SqlOptions) -> Result<Self, StoreError>;
+/// A store the CLI can drive: the library's traits plus what the SQL sink
+/// and `--init-sql` need from the concrete database (SQL stores only).
+pub trait Backend: Store + StoreAdmin + Sized {
+    /// The SQL dialect; `None` for stores that are not SQL databases (Redis),
+    /// which then take no `--apply-sql` or `--init-sql`.
+    const SQL: Option<SqlDialect>;
 
     /// Runs one statement outside any transaction (`--init-sql`).
     async fn execute_raw(&self, sql: &str) -> Result<(), sqlx::Error>;
@@ -147,8 +163,47 @@ pub trait Backend: Store + StoreAdmin + Sized {
     /// Prepares a statement without running it, to validate it up front.
     async fn prepare(&self, sql: &str) -> Result<(), sqlx::Error>;
 
-    /// The `--apply-sql` handler for this database's transactions.
-    fn sql_handler(statement: Arc<SqlStatement>) -> BoxedHandler<Self::Tx>;
+    /// The `--apply-sql` handler for this database's transactions (SQL stores).
+    fn sql_handler(statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>>;
+}
+
+/// A cached store drives like the store it wraps.
+impl<B: Backend + Clone> Backend for idemq::store::cache::CachedStore<B> {
+    const SQL: Option<SqlDialect> = B::SQL;
+
+    async fn execute_raw(&self, sql: &str) -> Result<(), sqlx::Error> {
+        self.inner().execute_raw(sql).await
+    }
+
+    async fn prepare(&self, sql: &str) -> Result<(), sqlx::Error> {
+        self.inner().prepare(sql).await
+    }
+
+    fn sql_handler(statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
+        B::sql_handler(statement)
+    }
+}
+
+/// The Redis lease store: no SQL; handlers get a lease with a fencing token.
+#[cfg(feature = "redis")]
+impl Backend for idemq::store::redis::RedisStore {
+    const SQL: Option<SqlDialect> = None;
+
+    async fn execute_raw(&self, _sql: &str) -> Result<(), sqlx::Error> {
+        Err(sqlx::Error::Configuration(
+            "redis:// is not a SQL store".into(),
+        ))
+    }
+
+    async fn prepare(&self, _sql: &str) -> Result<(), sqlx::Error> {
+        Err(sqlx::Error::Configuration(
+            "redis:// is not a SQL store".into(),
+        ))
+    }
+
+    fn sql_handler(_statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
+        None
+    }
 }
 
 /// Implements [`Backend`] for one SQL store over its sqlx database; the
@@ -156,12 +211,10 @@ pub trait Backend: Store + StoreAdmin + Sized {
 macro_rules! sql_backend {
     ($store:ty, $db:ty, $placeholder:expr, $cache:expr) => {
         impl Backend for $store {
-            const PLACEHOLDER: Placeholder = $placeholder;
-            const CACHE_STATEMENTS: bool = $cache;
-
-            async fn connect(url: &str, options: SqlOptions) -> Result<Self, StoreError> {
-                <$store>::connect_with(url, options).await
-            }
+            const SQL: Option<SqlDialect> = Some(SqlDialect {
+                placeholder: $placeholder,
+                cache_statements: $cache,
+            });
 
             async fn execute_raw(&self, sql: &str) -> Result<(), sqlx::Error> {
                 crate::sink::execute_raw(self.pool(), sql).await
@@ -171,8 +224,8 @@ macro_rules! sql_backend {
                 crate::sink::prepare(self.pool(), sql).await
             }
 
-            fn sql_handler(statement: Arc<SqlStatement>) -> BoxedHandler<Self::Tx> {
-                Box::new(crate::sink::SqlHandler::<$db>::new(statement))
+            fn sql_handler(statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
+                Some(Box::new(crate::sink::SqlHandler::<$db>::new(statement)))
             }
         }
     };
@@ -200,13 +253,23 @@ sql_backend!(
     true
 );
 
-/// Connects to `url` as backend `B`; a bad table prefix is a usage error.
-pub async fn connect<B: Backend>(url: &StoreUrl, options: SqlOptions) -> Result<B> {
-    B::connect(&url.url, options).await.map_err(|e| match e {
-        StoreError::Config(_) => exit::usage(e),
+/// A store connection error: a bad table prefix or URL is a usage error.
+pub fn connect_error(url: &StoreUrl, err: StoreError) -> anyhow::Error {
+    match err {
+        StoreError::Config(_) => exit::usage(err),
         other => anyhow::Error::new(other).context(format!("cannot connect to {url}")),
-    })
+    }
 }
+
+/// Connects to the SQL store `url` names; the table prefix is validated.
+macro_rules! connect_sql {
+    ($store:ty, $url:expr, $options:expr) => {
+        <$store>::connect_with(&$url.url, $options)
+            .await
+            .map_err(|e| $crate::backend::connect_error($url, e))
+    };
+}
+pub(crate) use connect_sql;
 
 #[cfg(test)]
 mod tests {

@@ -7,6 +7,7 @@
 
 mod backend;
 mod commands;
+mod endpoint;
 mod exit;
 mod interrupt;
 mod output;
@@ -24,6 +25,7 @@ use idemq::template::{SqlTemplate, ValueSpec};
 use idemq::{ConflictPolicy, FingerprintSpec, KeySpec};
 
 use crate::backend::StoreUrl;
+use crate::endpoint::Endpoint;
 
 /// Help text shared by every command that can fail at run time.
 const EXIT_CODES: &str = "EXIT CODES:
@@ -102,6 +104,24 @@ enum Command {
     )]
     Consume(ConsumeArgs),
 
+    /// Publish a JSON-lines file to a broker (or a file), optionally with duplicates.
+    #[command(
+        long_about = "Publish a JSON-lines file to a broker, a JSON-lines file or stdout, for \
+            demos and tests.\n\n\
+            Each line is read as `consume` reads it (an envelope {\"id\",\"key\",\"headers\",\
+            \"payload\"} or a bare payload) and published with its id and key in the broker's \
+            native places, so that `consume` reads back the same message. A missing id becomes \
+            a new UUID; --key fills in a missing key. A line that is not JSON is published as a \
+            raw payload (the consumer dead-letters it).\n\n\
+            --duplicates publishes some messages twice with the same id (an at-least-once \
+            producer); --producer-retries publishes some again with a new id and the same key \
+            and payload (a producer that retried a send it thought had failed). At the end a \
+            line is printed (to stderr when publishing to stdout):\n  \
+            published=N duplicates=N producer_retries=N raw=N",
+        after_long_help = EXIT_CODES
+    )]
+    Produce(ProduceArgs),
+
     /// Create or upgrade the idemq tables (idempotent).
     #[command(after_long_help = EXIT_CODES)]
     Migrate,
@@ -128,6 +148,19 @@ enum Command {
         after_long_help = EXIT_CODES
     )]
     Inspect(InspectArgs),
+
+    /// Free a stuck in-flight lease of one key (lease stores), after a confirmation.
+    #[command(
+        long_about = "Free the in-flight lease of one key of one consumer in a lease store \
+            (redis://), so that the next delivery claims the key at once instead of waiting \
+            for the lease to expire. The old holder, if it is still running, then fails to \
+            complete (its token no longer holds the key); its effects outside the store are \
+            not undone.\n\n\
+            Asks for a confirmation on the terminal; --yes skips it. Exits with 3 when no \
+            lease is held (and for SQL stores, which hold none).",
+        after_long_help = EXIT_CODES
+    )]
+    Release(ReleaseArgs),
 
     /// List or replay dead letters.
     #[command(subcommand)]
@@ -158,9 +191,16 @@ enum DlqCommand {
 /// `idemq consume`.
 #[derive(Debug, Args)]
 struct ConsumeArgs {
-    /// The JSON-lines file to read; `-` reads stdin.
-    #[arg(value_name = "FILE", default_value = "-")]
-    input: PathBuf,
+    /// What to consume: a JSON-lines file, `-` for stdin, or a broker URL:
+    /// `kafka://HOST:PORT/TOPIC?group=NAME`, `amqp://USER:PASS@HOST:PORT/VHOST?queue=NAME`,
+    /// `sqs://QUEUE?endpoint=URL&region=R` (broker sources run until Ctrl-C or --idle-exit).
+    #[arg(value_name = "SOURCE", default_value = "-", value_parser = Endpoint::from_str)]
+    input: Endpoint,
+
+    /// Stop when no message has arrived for this long (e.g. `5s`): for scripts
+    /// that drain a broker queue and exit. Files and stdin end by themselves.
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    idle_exit: Option<Duration>,
 
     /// The consumer name: the scope of the keys in the inbox.
     #[arg(long, env = "IDEMQ_CONSUMER", value_name = "NAME")]
@@ -179,6 +219,28 @@ struct ConsumeArgs {
     #[arg(long)]
     no_migrate: bool,
 
+    /// Keep up to N recently completed keys in memory and answer their
+    /// duplicates without a store round trip (0: off).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    local_cache: usize,
+
+    /// Redis as a duplicate filter in front of the store, shared by every
+    /// consumer process (`redis://HOST:PORT`); keys are marked after their
+    /// commit, and a Redis outage falls back to the store alone.
+    #[arg(long, value_name = "URL")]
+    cache: Option<String>,
+
+    /// Lease stores (redis://): how long a claim lives without completion;
+    /// a heartbeat extends it while the handler runs.
+    #[arg(long, default_value = "30s", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    lease: Duration,
+
+    /// Lease stores: what a duplicate does while its first copy is in flight
+    /// in another worker: `reject` (retry it later) or `wait` (wait for the
+    /// first copy's result, or take over its expired lease).
+    #[arg(long, value_enum, default_value_t = InFlight::Reject, value_name = "POLICY")]
+    in_flight: InFlight,
+
     #[command(flatten)]
     processing: ProcessingArgs,
 
@@ -190,10 +252,10 @@ struct ConsumeArgs {
 #[derive(Debug, Args)]
 struct ProcessingArgs {
     /// How the business key is read: `json:/pointer`, `header:NAME`, `key` (envelope
-    /// key), `id` (envelope id), `hash` (of the payload); `A+B` joins parts, `A|B` takes
-    /// the first present.
-    #[arg(long, default_value = "key|id", value_name = "SPEC", value_parser = KeySpec::from_str)]
-    key: KeySpec,
+    /// key / broker message key), `id` (message id), `hash` (of the payload); `A+B` joins
+    /// parts, `A|B` takes the first present. Default: `key|id`; for Kafka `header:event_id|key`.
+    #[arg(long, value_name = "SPEC", value_parser = KeySpec::from_str)]
+    key: Option<KeySpec>,
 
     /// What tells a duplicate from a conflicting reuse of a key: `payload` (the
     /// whole payload) or `json:/a,json:/b` (only these fields).
@@ -211,6 +273,15 @@ struct ProcessingArgs {
     /// What to do with a key processed before with a different payload.
     #[arg(long, value_enum, default_value_t = OnConflict::DeadLetter, value_name = "POLICY")]
     on_conflict: OnConflict,
+}
+
+/// `--in-flight`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum InFlight {
+    /// Retry the duplicate later.
+    Reject,
+    /// Wait for the first copy (up to twice the lease).
+    Wait,
 }
 
 /// `--on-conflict`.
@@ -263,6 +334,36 @@ struct SinkTarget {
     /// `{"key":…,"payload":…}` (the inbox still drops duplicates).
     #[arg(long)]
     print: bool,
+}
+
+/// `idemq produce`.
+#[derive(Debug, Args)]
+struct ProduceArgs {
+    /// The JSON-lines file to publish; `-` reads stdin.
+    #[arg(value_name = "FILE", default_value = "-")]
+    input: PathBuf,
+
+    /// Where to publish: a broker URL (as for `consume`), a JSON-lines file
+    /// (appended), or `-` for stdout.
+    #[arg(long, value_name = "URL", value_parser = Endpoint::from_str)]
+    to: Endpoint,
+
+    /// Fill in a missing message key from the message (same syntax as `consume --key`),
+    /// e.g. `json:/payment_id`; brokers partition and group by it.
+    #[arg(long, value_name = "SPEC", value_parser = KeySpec::from_str)]
+    key: Option<KeySpec>,
+
+    /// Fraction of messages published twice with the same id (0 to 1).
+    #[arg(long, default_value_t = 0.0, value_name = "F", value_parser = commands::parse_fraction)]
+    duplicates: f64,
+
+    /// Fraction of messages published again with a new id, same key and payload (0 to 1).
+    #[arg(long, default_value_t = 0.0, value_name = "F", value_parser = commands::parse_fraction)]
+    producer_retries: f64,
+
+    /// Seed of the random choices, for reproducible runs.
+    #[arg(long, value_name = "N")]
+    seed: Option<u64>,
 }
 
 /// Parses a count of at least 1.
@@ -325,6 +426,22 @@ struct InspectArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
+}
+
+/// `idemq release`.
+#[derive(Debug, Args)]
+struct ReleaseArgs {
+    /// The consumer name.
+    #[arg(long, env = "IDEMQ_CONSUMER", value_name = "NAME")]
+    consumer: String,
+
+    /// The business key, as stored.
+    #[arg(long, value_name = "KEY")]
+    key: String,
+
+    /// Release without asking.
+    #[arg(long)]
+    yes: bool,
 }
 
 /// `idemq dlq list`.
@@ -424,28 +541,42 @@ fn main() -> ExitCode {
 async fn dispatch(cli: Cli) -> Result<ExitCode> {
     cli.command.validate()?;
     let Cli { global, command } = cli;
+    if let Command::Produce(args) = command {
+        return commands::produce(args).await;
+    }
     // Parsed here rather than by clap, which would also parse the default URL
     // of a global flag and fail in builds without SQLite.
     let url: StoreUrl = global.store.parse().map_err(exit::usage)?;
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
     let options = idemq::store::sql::SqlOptions::default().table_prefix(&global.table_prefix);
     match url.kind {
         #[cfg(feature = "sqlite")]
         backend::Kind::Sqlite => {
             let store =
-                backend::connect::<idemq::store::sql::sqlite::SqliteStore>(&url, options).await?;
+                backend::connect_sql!(idemq::store::sql::sqlite::SqliteStore, &url, options)?;
             commands::run(store, &url, &global, command).await
         }
         #[cfg(feature = "postgres")]
         backend::Kind::Postgres => {
             let store =
-                backend::connect::<idemq::store::sql::postgres::PostgresStore>(&url, options)
-                    .await?;
+                backend::connect_sql!(idemq::store::sql::postgres::PostgresStore, &url, options)?;
             commands::run(store, &url, &global, command).await
         }
         #[cfg(feature = "mysql")]
         backend::Kind::MySql => {
-            let store =
-                backend::connect::<idemq::store::sql::mysql::MySqlStore>(&url, options).await?;
+            let store = backend::connect_sql!(idemq::store::sql::mysql::MySqlStore, &url, options)?;
+            commands::run(store, &url, &global, command).await
+        }
+        #[cfg(feature = "redis")]
+        backend::Kind::Redis => {
+            use idemq::store::redis::{RedisOptions, RedisStore};
+            // `idemq_` → keys `idemq:{consumer/key}:…`.
+            let prefix = global.table_prefix.trim_end_matches('_');
+            let options =
+                RedisOptions::default().prefix(if prefix.is_empty() { "idemq" } else { prefix });
+            let store = RedisStore::connect_with(&url.url, options)
+                .await
+                .map_err(|e| backend::connect_error(&url, e))?;
             commands::run(store, &url, &global, command).await
         }
     }

@@ -296,14 +296,19 @@ pub fn build<B: Backend>(args: &SinkArgs) -> Result<Sink<B::Tx>> {
     match &args.target.apply_sql {
         Some(template) => {
             check_params(template, &args.params)?;
+            let Some(dialect) = B::SQL else {
+                return Err(not_sql("--apply-sql"));
+            };
             let statement = Arc::new(SqlStatement::new(
                 template,
                 &args.params,
-                B::PLACEHOLDER,
-                B::CACHE_STATEMENTS,
+                dialect.placeholder,
+                dialect.cache_statements,
             ));
+            let handler =
+                B::sql_handler(Arc::clone(&statement)).ok_or_else(|| not_sql("--apply-sql"))?;
             Ok(Sink {
-                handler: B::sql_handler(Arc::clone(&statement)),
+                handler,
                 statement: Some(statement),
             })
         }
@@ -321,6 +326,9 @@ pub async fn init<B: Backend>(
     args: &SinkArgs,
     statement: Option<&SqlStatement>,
 ) -> Result<()> {
+    if B::SQL.is_none() && !args.init_sql.is_empty() {
+        return Err(not_sql("--init-sql"));
+    }
     for sql in &args.init_sql {
         store
             .execute_raw(sql)
@@ -339,6 +347,15 @@ pub async fn init<B: Backend>(
         })?;
     }
     Ok(())
+}
+
+/// The usage error for a SQL-only flag on a store that is not a SQL database.
+fn not_sql(flag: &str) -> anyhow::Error {
+    exit::usage(format!(
+        "{flag} needs a SQL store (sqlite:, postgres://, mysql://): a redis:// store holds \
+         leases, not your tables; use --print, or keep the inbox in SQL and put Redis in \
+         front with --cache"
+    ))
 }
 
 /// A database error at setup: transient ones are runtime errors, the rest

@@ -214,6 +214,65 @@ async fn sql_metacharacters_are_bound_verbatim() {
 }
 
 #[cfg(feature = "sqlite")]
+/// `produce` to a JSON-lines file with every message duplicated both ways,
+/// then `consume` of that file: the ledger is the same as from the original.
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn produced_duplicates_of_both_kinds_apply_once() {
+    let fx = Fixture::new();
+    let out = fx.dir.path().join("produced.jsonl");
+    let out_str = out.to_str().unwrap();
+    let run = fx
+        .run(&[
+            "produce",
+            fx.input(),
+            "--to",
+            out_str,
+            "--key",
+            "json:/payment_id",
+            "--duplicates",
+            "1",
+            "--producer-retries",
+            "1",
+            "--seed",
+            "7",
+        ])
+        .expect_code(0);
+    assert_eq!(
+        first_line(&run),
+        "published=10 duplicates=10 producer_retries=10 raw=1"
+    );
+    let lines: Vec<Value> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 30);
+    // A duplicate keeps the id; a producer retry gets a new id, same key.
+    assert_eq!(lines[0]["id"], lines[1]["id"]);
+    assert_ne!(lines[0]["id"], lines[2]["id"]);
+    assert_eq!(lines[0]["key"], lines[2]["key"]);
+    assert_eq!(lines[0]["key"], "p-1");
+
+    let mut args = vec!["consume", out_str];
+    args.extend_from_slice(&[
+        "--consumer",
+        "payments",
+        "--key",
+        "json:/payment_id",
+        "--init-sql",
+        CREATE_LEDGER,
+        "--apply-sql",
+        INSERT_LEDGER,
+    ]);
+    let run = fx.run(&args).expect_code(0);
+    assert!(
+        first_line(&run).starts_with("consumer payments: processed=4 "),
+        "{run:?}"
+    );
+    assert_eq!(fx.ledger().await, expected_ledger());
+}
+
 #[test]
 fn stats_and_inspect_report_the_inbox() {
     let f = Fixture::new();
@@ -646,7 +705,6 @@ fn every_command_has_help() {
 }
 
 /// A suffix unique to this test run, for table names in shared databases.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn unique_suffix() -> String {
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -870,4 +928,235 @@ where
             .execute(pool)
             .await;
     }
+}
+
+/// The Redis lease store from the CLI: the print sink applies each payment
+/// once, a rerun answers duplicates, dead letters and inspect work, SQL-only
+/// flags are usage errors, and `release` finds no lease on a completed key.
+#[cfg(feature = "redis")]
+#[test]
+fn redis_store_consumes_once_and_reports() {
+    let fx = Fixture::new();
+    let prefix = format!("cli{}_", unique_suffix());
+    let redis = "redis://127.0.0.1:6379";
+    let consume = |extra: &[&str]| {
+        let mut args = vec![
+            "--table-prefix",
+            prefix.as_str(),
+            "consume",
+            fx.input(),
+            "--consumer",
+            "payments",
+            "--key",
+            "json:/payment_id",
+            "--no-checkpoint",
+            "--print",
+        ];
+        args.extend_from_slice(extra);
+        idemq(redis, &args)
+    };
+    // Eight in flight: duplicates of a key in flight wait for its result.
+    let first = consume(&["--concurrency", "8", "--in-flight", "wait"]).expect_code(0);
+    let printed: Vec<Value> = first
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut keys: Vec<&str> = printed.iter().filter_map(|p| p["key"].as_str()).collect();
+    keys.sort();
+    assert_eq!(keys, ["p-1", "p-2", "p-3", "p-4"], "{first:#?}");
+    assert!(
+        first.stdout.contains(
+            "consumer payments: processed=4 duplicate=3 conflict=1 retry_later=0 dead_lettered=2"
+        ),
+        "{first:#?}"
+    );
+    let again = consume(&[]).expect_code(0);
+    assert!(
+        again
+            .stdout
+            .contains("consumer payments: processed=0 duplicate=7 conflict=1"),
+        "{again:#?}"
+    );
+
+    let inspect = idemq(
+        redis,
+        &[
+            "--table-prefix",
+            &prefix,
+            "inspect",
+            "--consumer",
+            "payments",
+            "--key",
+            "p-1",
+            "--json",
+        ],
+    )
+    .expect_code(0)
+    .json();
+    assert_eq!(inspect["key"], "p-1", "{inspect}");
+    assert_eq!(inspect["in_flight"], false, "{inspect}");
+    assert!(inspect["inbox"]["fingerprint"].is_string(), "{inspect}");
+    let release = idemq(
+        redis,
+        &[
+            "--table-prefix",
+            &prefix,
+            "release",
+            "--consumer",
+            "payments",
+            "--key",
+            "p-1",
+            "--yes",
+        ],
+    );
+    assert_eq!(release.code, 3, "{release:#?}");
+    assert!(
+        release.stdout.contains("no in-flight lease"),
+        "{release:#?}"
+    );
+
+    let sql = idemq(
+        redis,
+        &[
+            "--table-prefix",
+            &prefix,
+            "consume",
+            fx.input(),
+            "--consumer",
+            "payments",
+            "--apply-sql",
+            INSERT_LEDGER,
+        ],
+    );
+    assert_eq!(sql.code, 2, "{sql:#?}");
+    assert!(sql.stderr.contains("needs a SQL store"), "{sql:#?}");
+}
+
+/// The fast path in front of SQLite: with a local cache and the Redis filter,
+/// the ledger is exactly the one without them, on the first run and the rerun.
+#[cfg(all(feature = "sqlite", feature = "redis"))]
+#[tokio::test]
+async fn caches_in_front_of_sql_change_no_outcome() {
+    let fx = Fixture::new();
+    let cache = ["--local-cache", "1000", "--cache", "redis://127.0.0.1:6379"];
+    let consumer = format!("payments-{}", unique_suffix());
+    let consume = |extra: &[&str]| {
+        let mut args = vec![
+            "consume",
+            fx.input(),
+            "--consumer",
+            consumer.as_str(),
+            "--key",
+            "json:/payment_id",
+            "--no-checkpoint",
+            "--concurrency",
+            "1",
+            "--init-sql",
+            CREATE_LEDGER,
+            "--apply-sql",
+            INSERT_LEDGER,
+        ];
+        args.extend_from_slice(extra);
+        fx.run(&args)
+    };
+    let first = consume(&cache).expect_code(0);
+    assert!(
+        first_line(&first)
+            .ends_with("processed=4 duplicate=3 conflict=1 retry_later=0 dead_lettered=2"),
+        "{first:#?}"
+    );
+    let rerun = consume(&cache).expect_code(0);
+    assert!(
+        first_line(&rerun)
+            .ends_with("processed=0 duplicate=7 conflict=1 retry_later=0 dead_lettered=2"),
+        "{rerun:#?}"
+    );
+    assert_eq!(fx.ledger().await, expected_ledger());
+}
+
+/// `produce` the payments file to a broker with duplicates of both kinds,
+/// then `consume` it into SQLite until the broker is idle: the ledger is
+/// exactly the one from the file, and a second consume finds nothing.
+#[cfg(feature = "sqlite")]
+async fn broker_round_trip(url: &str) {
+    let fx = Fixture::new();
+    let produced = fx
+        .run(&[
+            "produce",
+            fx.input(),
+            "--to",
+            url,
+            "--key",
+            "json:/payment_id",
+            "--duplicates",
+            "0.5",
+            "--producer-retries",
+            "0.5",
+            "--seed",
+            "11",
+        ])
+        .expect_code(0);
+    assert!(
+        first_line(&produced).starts_with("published=10 "),
+        "{produced:#?}"
+    );
+    let consume = || {
+        fx.run(&[
+            "consume",
+            url,
+            "--consumer",
+            "payments",
+            "--key",
+            "json:/payment_id",
+            "--idle-exit",
+            "3s",
+            "--init-sql",
+            CREATE_LEDGER,
+            "--apply-sql",
+            INSERT_LEDGER,
+        ])
+    };
+    let first = consume().expect_code(0);
+    assert!(
+        first_line(&first).starts_with("consumer payments: processed=4 "),
+        "{first:#?}"
+    );
+    assert_eq!(fx.ledger().await, expected_ledger());
+    let second = consume().expect_code(0);
+    assert!(
+        first_line(&second).starts_with("consumer payments: processed=0 duplicate=0 "),
+        "{second:#?}"
+    );
+}
+
+#[cfg(all(feature = "sqlite", feature = "amqp"))]
+#[tokio::test]
+async fn rabbitmq_produce_and_consume() {
+    let queue = format!("cli_{}", unique_suffix());
+    broker_round_trip(&format!(
+        "amqp://guest:guest@127.0.0.1:5672/%2f?queue={queue}"
+    ))
+    .await;
+}
+
+#[cfg(all(feature = "sqlite", feature = "kafka"))]
+#[tokio::test]
+async fn kafka_produce_and_consume() {
+    let topic = format!("cli_{}", unique_suffix());
+    broker_round_trip(&format!(
+        "kafka://127.0.0.1:9092/{topic}?group=cli&create_partitions=3"
+    ))
+    .await;
+}
+
+#[cfg(all(feature = "sqlite", feature = "sqs"))]
+#[tokio::test]
+async fn sqs_produce_and_consume() {
+    let queue = format!("cli_{}", unique_suffix());
+    broker_round_trip(&format!(
+        "sqs://{queue}?endpoint=http://127.0.0.1:5000&region=us-east-1&create=true&wait=1"
+    ))
+    .await;
 }

@@ -1,18 +1,44 @@
-//! `idemq consume`: a JSON-lines file or stdin, exactly once into the store.
+//! `idemq consume`: a JSON-lines file, stdin or a broker, exactly once into the store.
 
-use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
-use idemq::source::jsonl::JsonLinesSource;
-use idemq::{ConflictPolicy, Consumer, OutcomeKind, Summary};
+use async_trait::async_trait;
+use idemq::source::{Delivery, Source};
+use idemq::store::cache::CachedStore;
+use idemq::{ConflictPolicy, Consumer, InFlightPolicy, OutcomeKind, SourceError, Summary};
 
 use crate::backend::Backend;
 use crate::interrupt::Interrupt;
 use crate::output::shell_word;
 use crate::progress::Progress;
-use crate::{exit, sink, ConsumeArgs};
+use crate::{exit, sink, ConsumeArgs, InFlight};
+
+/// Puts the `--local-cache` / `--cache` fast path in front of the store, if
+/// asked for, and consumes.
+pub async fn with_cache<B: Backend + Clone>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
+    if args.local_cache == 0 && args.cache.is_none() {
+        return run(store, args).await;
+    }
+    let cached = CachedStore::new(store).local(args.local_cache);
+    let cached = match &args.cache {
+        None => cached,
+        #[cfg(feature = "redis")]
+        Some(url) => {
+            use idemq::store::cache::RedisFilter;
+            use idemq::store::redis::RedisOptions;
+            let options = RedisOptions::default().prefix("idemq_cache");
+            let filter = RedisFilter::connect(url, options).await.with_context(|| {
+                format!("connecting to the --cache {}", crate::backend::redact(url))
+            })?;
+            cached.redis(filter)
+        }
+        #[cfg(not(feature = "redis"))]
+        Some(_) => return Err(exit::usage(crate::backend::compiled_out("Redis", "redis"))),
+    };
+    run(cached, args).await
+}
 
 /// Consumes the input to its end (or Ctrl-C) and prints the summary.
 pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
@@ -22,8 +48,19 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
         Consumer::builder(args.consumer.as_str(), store),
         &args.processing,
     )
+    .key(
+        args.processing
+            .key
+            .clone()
+            .unwrap_or_else(|| args.input.default_key()),
+    )
     .handler(handler)
-    .concurrency(args.concurrency);
+    .concurrency(args.concurrency)
+    .lease(args.lease)
+    .in_flight(match args.in_flight {
+        InFlight::Reject => InFlightPolicy::Reject,
+        InFlight::Wait => InFlightPolicy::wait(args.lease * 2),
+    });
     if let Some(progress) = &progress {
         builder = builder.on_outcome(progress.hook());
     }
@@ -38,7 +75,14 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
     }
     sink::init(store.as_ref(), &args.sink, statement.as_deref()).await?;
 
-    let source = open(&args.input, &args.consumer, args.no_checkpoint).await?;
+    let source = args
+        .input
+        .open_source(&args.consumer, args.no_checkpoint)
+        .await?;
+    let source: Box<dyn Source> = match args.idle_exit {
+        Some(idle) => Box::new(IdleExit::new(source, idle)),
+        None => source,
+    };
     let interrupt = Interrupt::listen();
     if let Some(progress) = &progress {
         progress.show();
@@ -57,37 +101,6 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
     })
 }
 
-/// Opens the input: stdin for `-`, else the file with its checkpoint.
-async fn open(input: &Path, consumer: &str, no_checkpoint: bool) -> Result<JsonLinesSource> {
-    if input.as_os_str() == "-" {
-        if std::io::stdin().is_terminal() {
-            eprintln!("idemq: reading JSON lines from the terminal (Ctrl-D ends the input)");
-        }
-        return Ok(JsonLinesSource::stdin());
-    }
-    let checkpoint = (!no_checkpoint).then(|| checkpoint_path(input, consumer));
-    JsonLinesSource::open_with_checkpoint(input, checkpoint)
-        .await
-        .with_context(|| format!("opening {}", input.display()))
-}
-
-/// `<FILE>.<consumer>.checkpoint`, with characters unsafe in file names replaced.
-fn checkpoint_path(input: &Path, consumer: &str) -> PathBuf {
-    let safe: String = consumer
-        .chars()
-        .map(|c| {
-            if c.is_alphanumeric() || "-_.".contains(c) {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    let mut name = input.as_os_str().to_owned();
-    name.push(format!(".{safe}.checkpoint"));
-    PathBuf::from(name)
-}
-
 /// `consumer NAME: processed=… …`, plus a hint when dead letters were written.
 fn print_summary(args: &ConsumeArgs, summary: &Summary) {
     println!("consumer {}: {summary}", args.consumer);
@@ -103,19 +116,29 @@ fn print_summary(args: &ConsumeArgs, summary: &Summary) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Ends a source when no delivery arrives for `idle` (`--idle-exit`). The
+/// cancelled wait takes nothing from the source that is not redelivered:
+/// after it the run stops taking deliveries and only settles those in flight.
+struct IdleExit {
+    inner: Box<dyn Source>,
+    idle: Duration,
+}
 
-    #[test]
-    fn checkpoint_names() {
-        assert_eq!(
-            checkpoint_path(Path::new("/tmp/in.jsonl"), "payments"),
-            PathBuf::from("/tmp/in.jsonl.payments.checkpoint")
-        );
-        assert_eq!(
-            checkpoint_path(Path::new("in.jsonl"), "a/b c"),
-            PathBuf::from("in.jsonl.a_b_c.checkpoint")
-        );
+impl IdleExit {
+    fn new(inner: Box<dyn Source>, idle: Duration) -> Self {
+        Self { inner, idle }
+    }
+}
+
+#[async_trait]
+impl Source for IdleExit {
+    async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
+        match tokio::time::timeout(self.idle, self.inner.next()).await {
+            Ok(next) => next,
+            Err(_) => {
+                tracing::info!(idle = ?self.idle, "no message for the idle time: stopping");
+                Ok(None)
+            }
+        }
     }
 }

@@ -4,34 +4,40 @@ mod consume;
 mod dlq;
 mod inspect;
 mod migrate;
+mod produce;
 mod prune;
+mod release;
 mod stats;
 
 use std::process::ExitCode;
 
 use anyhow::Result;
-use idemq::{ConsumerBuilder, RetryPolicy, StoreError};
+use idemq::{ConsumerBuilder, KeySpec, RetryPolicy, StoreError};
 
 use crate::backend::{Backend, StoreUrl};
 use crate::{Command, DlqCommand, GlobalArgs, ProcessingArgs};
 
 /// Runs `command` on a connected store.
-pub async fn run<B: Backend>(
+pub async fn run<B: Backend + Clone>(
     store: B,
     url: &StoreUrl,
     global: &GlobalArgs,
     command: Command,
 ) -> Result<ExitCode> {
     match command {
-        Command::Consume(args) => consume::run(store, args).await,
+        Command::Consume(args) => consume::with_cache(store, args).await,
+        Command::Produce(args) => produce::run(args).await,
         Command::Migrate => migrate::run(&store, url, &global.table_prefix).await,
         Command::Prune(args) => prune::run(&store, &args).await,
         Command::Stats(args) => stats::run(&store, &args).await,
         Command::Inspect(args) => inspect::run(&store, &args).await,
+        Command::Release(args) => release::run(&store, &args).await,
         Command::Dlq(DlqCommand::List(args)) => dlq::list(&store, &args).await,
         Command::Dlq(DlqCommand::Replay(args)) => dlq::replay(store, args).await,
     }
 }
+
+pub use produce::{parse_fraction, run as produce};
 
 /// Adds a hint to run `idemq migrate` when the store says a table is missing.
 fn admin_error(err: StoreError, doing: &str) -> anyhow::Error {
@@ -50,7 +56,11 @@ fn admin_error(err: StoreError, doing: &str) -> anyhow::Error {
 /// Applies the key, fingerprint, retry and conflict flags to a consumer builder.
 fn configure<B: Backend>(builder: ConsumerBuilder<B>, args: &ProcessingArgs) -> ConsumerBuilder<B> {
     builder
-        .key(args.key.clone())
+        .key(
+            args.key
+                .clone()
+                .unwrap_or_else(|| KeySpec::transport_key().or(KeySpec::id())),
+        )
         .fingerprint(args.fingerprint.clone())
         .retry(RetryPolicy {
             max_attempts: args.max_attempts,

@@ -1,0 +1,328 @@
+//! Where messages come from (`consume`) and go to (`produce`): a JSON-lines
+//! file, stdin/stdout, or a broker URL.
+
+use std::fmt;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use anyhow::{Context, Result};
+use async_trait::async_trait;
+use idemq::source::jsonl::JsonLinesSource;
+use idemq::source::{Publisher, Source};
+use idemq::{KeySpec, Message, SourceError};
+use tokio::io::AsyncWriteExt;
+
+/// A parsed source or destination.
+#[derive(Debug, Clone)]
+pub enum Endpoint {
+    /// A JSON-lines file.
+    File(PathBuf),
+    /// `-`: stdin (consume) or stdout (produce).
+    Std,
+    /// `kafka://host:port/topic?group=NAME`.
+    #[cfg(feature = "kafka")]
+    Kafka(String),
+    /// `amqp://user:pass@host:port/vhost?queue=NAME`.
+    #[cfg(feature = "amqp")]
+    Amqp(String),
+    /// `sqs://queue?endpoint=…&region=…`.
+    #[cfg(feature = "sqs")]
+    Sqs(String),
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Endpoint::File(path) => write!(f, "{}", path.display()),
+            Endpoint::Std => f.write_str("-"),
+            #[cfg(feature = "kafka")]
+            Endpoint::Kafka(url) => f.write_str(url),
+            #[cfg(feature = "amqp")]
+            Endpoint::Amqp(url) => f.write_str(&crate::backend::redact(url)),
+            #[cfg(feature = "sqs")]
+            Endpoint::Sqs(url) => f.write_str(url),
+        }
+    }
+}
+
+impl FromStr for Endpoint {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if text == "-" {
+            return Ok(Endpoint::Std);
+        }
+        let Some((scheme, _)) = text.split_once("://") else {
+            return Ok(Endpoint::File(PathBuf::from(text)));
+        };
+        match scheme.to_ascii_lowercase().as_str() {
+            "kafka" => {
+                #[cfg(feature = "kafka")]
+                return Ok(Endpoint::Kafka(text.to_owned()));
+                #[cfg(not(feature = "kafka"))]
+                return Err(crate::backend::compiled_out("Kafka", "kafka"));
+            }
+            "amqp" | "amqps" => {
+                #[cfg(feature = "amqp")]
+                return Ok(Endpoint::Amqp(text.to_owned()));
+                #[cfg(not(feature = "amqp"))]
+                return Err(crate::backend::compiled_out("RabbitMQ", "amqp"));
+            }
+            "sqs" => {
+                #[cfg(feature = "sqs")]
+                return Ok(Endpoint::Sqs(text.to_owned()));
+                #[cfg(not(feature = "sqs"))]
+                return Err(crate::backend::compiled_out("SQS", "sqs"));
+            }
+            "file" => Ok(Endpoint::File(PathBuf::from(&text["file://".len()..]))),
+            other => Err(format!(
+                "unknown scheme {other:?}: expected a file path, `-`, kafka://, amqp:// or sqs://"
+            )),
+        }
+    }
+}
+
+impl Endpoint {
+    /// The key spec `consume` uses when `--key` is not given: Kafka's
+    /// `event_id` header, else the record key; elsewhere the transport key,
+    /// else the message id.
+    pub fn default_key(&self) -> KeySpec {
+        match self {
+            #[cfg(feature = "kafka")]
+            Endpoint::Kafka(_) => idemq::source::kafka::default_key_spec(),
+            _ => KeySpec::transport_key().or(KeySpec::id()),
+        }
+    }
+
+    /// Opens the endpoint as a source. Files keep a checkpoint next to them
+    /// unless `no_checkpoint`.
+    pub async fn open_source(
+        &self,
+        consumer: &str,
+        no_checkpoint: bool,
+    ) -> Result<Box<dyn Source>> {
+        match self {
+            Endpoint::Std => {
+                if std::io::stdin().is_terminal() {
+                    eprintln!(
+                        "idemq: reading JSON lines from the terminal (Ctrl-D ends the input)"
+                    );
+                }
+                Ok(Box::new(JsonLinesSource::stdin()))
+            }
+            Endpoint::File(path) => {
+                let checkpoint = (!no_checkpoint).then(|| checkpoint_path(path, consumer));
+                let source = JsonLinesSource::open_with_checkpoint(path, checkpoint)
+                    .await
+                    .with_context(|| format!("opening {}", path.display()))?;
+                Ok(Box::new(source))
+            }
+            #[cfg(feature = "kafka")]
+            Endpoint::Kafka(url) => {
+                use idemq::source::kafka::{KafkaConfig, KafkaSource};
+                let config = KafkaConfig::from_url(url).map_err(crate::exit::usage)?;
+                let source = KafkaSource::connect(config)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(source))
+            }
+            #[cfg(feature = "amqp")]
+            Endpoint::Amqp(url) => {
+                use idemq::source::amqp::{AmqpConfig, AmqpSource};
+                let config = AmqpConfig::from_url(url).map_err(crate::exit::usage)?;
+                let source = AmqpSource::connect(config)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(source))
+            }
+            #[cfg(feature = "sqs")]
+            Endpoint::Sqs(url) => {
+                use idemq::source::sqs::{SqsConfig, SqsSource};
+                let config = SqsConfig::from_url(url).map_err(crate::exit::usage)?;
+                let source = SqsSource::connect(config)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(source))
+            }
+        }
+    }
+
+    /// Opens the endpoint as a destination for `produce`: files and stdout
+    /// get JSON-lines envelopes, brokers get native messages.
+    pub async fn open_publisher(&self) -> Result<Box<dyn Publisher>> {
+        match self {
+            Endpoint::Std => Ok(Box::new(EnvelopeWriter::stdout())),
+            Endpoint::File(path) => Ok(Box::new(
+                EnvelopeWriter::append(path)
+                    .await
+                    .with_context(|| format!("opening {}", path.display()))?,
+            )),
+            #[cfg(feature = "kafka")]
+            Endpoint::Kafka(url) => {
+                use idemq::source::kafka::{KafkaConfig, KafkaPublisher};
+                // A producer belongs to no consumer group: the URL may omit it.
+                let url = if url.contains("group=") {
+                    url.clone()
+                } else if url.contains('?') {
+                    format!("{url}&group=idemq-produce")
+                } else {
+                    format!("{url}?group=idemq-produce")
+                };
+                let config = KafkaConfig::from_url(&url).map_err(crate::exit::usage)?;
+                if let Some(partitions) = config.create_partitions {
+                    idemq::source::kafka::create_topic(&config.brokers, &config.topic, partitions)
+                        .await
+                        .with_context(|| format!("creating the topic of {self}"))?;
+                }
+                let publisher = KafkaPublisher::connect(&config.brokers, &config.topic)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(publisher))
+            }
+            #[cfg(feature = "amqp")]
+            Endpoint::Amqp(url) => {
+                use idemq::source::amqp::{AmqpConfig, AmqpPublisher};
+                let config = AmqpConfig::from_url(url).map_err(crate::exit::usage)?;
+                let publisher = AmqpPublisher::connect(config)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(publisher))
+            }
+            #[cfg(feature = "sqs")]
+            Endpoint::Sqs(url) => {
+                use idemq::source::sqs::{SqsConfig, SqsPublisher};
+                let config = SqsConfig::from_url(url).map_err(crate::exit::usage)?;
+                let publisher = SqsPublisher::connect(config)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(publisher))
+            }
+        }
+    }
+}
+
+/// `<FILE>.<consumer>.checkpoint`, with characters unsafe in file names replaced.
+pub fn checkpoint_path(input: &Path, consumer: &str) -> PathBuf {
+    let safe: String = consumer
+        .chars()
+        .map(|c| {
+            if c.is_alphanumeric() || "-_.".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let mut name = input.as_os_str().to_owned();
+    name.push(format!(".{safe}.checkpoint"));
+    PathBuf::from(name)
+}
+
+/// Writes messages as JSON-lines envelopes, which `consume` reads back
+/// into the same messages.
+pub struct EnvelopeWriter {
+    out: tokio::sync::Mutex<Box<dyn tokio::io::AsyncWrite + Send + Unpin>>,
+}
+
+impl EnvelopeWriter {
+    fn stdout() -> Self {
+        Self {
+            out: tokio::sync::Mutex::new(Box::new(tokio::io::stdout())),
+        }
+    }
+
+    async fn append(path: &Path) -> std::io::Result<Self> {
+        let file = tokio::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .await?;
+        Ok(Self {
+            out: tokio::sync::Mutex::new(Box::new(file)),
+        })
+    }
+}
+
+/// The envelope of a message: `{"id","key","headers","payload"}`, with a JSON
+/// payload kept as JSON and any other payload as a string.
+pub fn envelope(message: &Message) -> serde_json::Value {
+    let payload = std::str::from_utf8(&message.payload)
+        .ok()
+        .map(|text| {
+            serde_json::from_str::<serde_json::Value>(text)
+                .unwrap_or_else(|_| serde_json::Value::String(text.to_owned()))
+        })
+        .unwrap_or_else(|| {
+            serde_json::Value::String(String::from_utf8_lossy(&message.payload).into_owned())
+        });
+    let mut env = serde_json::Map::new();
+    if let Some(id) = &message.id {
+        env.insert("id".into(), id.clone().into());
+    }
+    if let Some(key) = &message.key {
+        env.insert("key".into(), key.clone().into());
+    }
+    if !message.headers.is_empty() {
+        env.insert("headers".into(), message.headers.to_json());
+    }
+    env.insert("payload".into(), payload);
+    serde_json::Value::Object(env)
+}
+
+#[async_trait]
+impl Publisher for EnvelopeWriter {
+    async fn publish(&self, message: &Message) -> Result<(), SourceError> {
+        let mut line = envelope(message).to_string();
+        line.push('\n');
+        self.out.lock().await.write_all(line.as_bytes()).await?;
+        Ok(())
+    }
+
+    async fn flush(&self) -> Result<(), SourceError> {
+        self.out.lock().await.flush().await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoint_names() {
+        assert_eq!(
+            checkpoint_path(Path::new("/tmp/in.jsonl"), "payments"),
+            PathBuf::from("/tmp/in.jsonl.payments.checkpoint")
+        );
+        assert_eq!(
+            checkpoint_path(Path::new("in.jsonl"), "a/b c"),
+            PathBuf::from("in.jsonl.a_b_c.checkpoint")
+        );
+    }
+
+    #[test]
+    fn endpoints() {
+        assert!(matches!("-".parse::<Endpoint>(), Ok(Endpoint::Std)));
+        assert!(matches!(
+            "in.jsonl".parse::<Endpoint>(),
+            Ok(Endpoint::File(_))
+        ));
+        assert!("ftp://x/y".parse::<Endpoint>().is_err());
+    }
+
+    #[test]
+    fn envelopes_round_trip_through_the_jsonl_parser() {
+        let original = Message::new(r#"{"amount":5}"#)
+            .with_id("m-1")
+            .with_key("p-1")
+            .with_header("event_id", "e-1");
+        let line = envelope(&original).to_string();
+        let parsed = idemq::source::jsonl::parse_message(line.as_bytes()).unwrap();
+        assert_eq!(parsed, original);
+        let text = Message::new("not json").with_id("m-2");
+        let parsed =
+            idemq::source::jsonl::parse_message(envelope(&text).to_string().as_bytes()).unwrap();
+        assert_eq!(parsed.payload, b"not json");
+    }
+}
