@@ -6,7 +6,9 @@
 # Run it twice: the second run applies nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build -q --release -p idemq-cli
+# Only the embedded default is compiled here; `cargo build --release -p idemq-cli`
+# builds every backend and broker (and takes several minutes more).
+cargo build -q --release -p idemq-cli --no-default-features --features sqlite
 idemq=target/release/idemq
 
 set -x

@@ -29,3 +29,16 @@ if ! mariadb -h 127.0.0.1 -uroot -e 'SELECT 1' >/dev/null 2>&1; then
 fi
 wait_for MariaDB mariadb -h 127.0.0.1 -uroot -e 'SELECT 1'
 mariadb -h 127.0.0.1 -uroot -e 'CREATE DATABASE IF NOT EXISTS test'
+
+if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
+  echo "services: starting Redis"
+  redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+    --dir /var/lib/redis --logfile /var/log/redis/ci.log || true
+fi
+wait_for Redis redis-cli -h 127.0.0.1 -p 6379 ping
+
+if ! (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null; then
+  echo "services: starting RabbitMQ"
+  rabbitmq-server -detached || true
+fi
+wait_for RabbitMQ bash -c 'exec 3<>/dev/tcp/127.0.0.1/5672'
