@@ -8,9 +8,11 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use anyhow::Result;
+use idemq::engine::BatchOptions;
+use idemq::source::Source;
 use idemq::store::{Store, StoreAdmin};
 use idemq::template::Placeholder;
-use idemq::StoreError;
+use idemq::{Consumer, SourceError, StoreError, Summary};
 
 use crate::exit;
 use crate::sink::{BoxedHandler, SqlStatement};
@@ -165,7 +167,19 @@ pub trait Backend: Store + StoreAdmin + Sized {
 
     /// The `--apply-sql` handler for this database's transactions (SQL stores).
     fn sql_handler(statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>>;
+
+    /// Runs `source` in batches (`--batch`), if the store can claim batches
+    /// in one transaction; `None` if it cannot.
+    async fn run_batched(
+        consumer: &Consumer<Self>,
+        source: Box<dyn Source>,
+        options: BatchOptions,
+        shutdown: ShutdownSignal<'_>,
+    ) -> Option<Result<Summary, SourceError>>;
 }
+
+/// The future that ends a run (Ctrl-C).
+pub type ShutdownSignal<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>;
 
 /// A cached store drives like the store it wraps.
 impl<B: Backend + Clone> Backend for idemq::store::cache::CachedStore<B> {
@@ -181,6 +195,16 @@ impl<B: Backend + Clone> Backend for idemq::store::cache::CachedStore<B> {
 
     fn sql_handler(statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
         B::sql_handler(statement)
+    }
+
+    /// The cache wraps single claims only.
+    async fn run_batched(
+        _consumer: &Consumer<Self>,
+        _source: Box<dyn Source>,
+        _options: BatchOptions,
+        _shutdown: ShutdownSignal<'_>,
+    ) -> Option<Result<Summary, SourceError>> {
+        None
     }
 }
 
@@ -202,6 +226,15 @@ impl Backend for idemq::store::redis::RedisStore {
     }
 
     fn sql_handler(_statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
+        None
+    }
+
+    async fn run_batched(
+        _consumer: &Consumer<Self>,
+        _source: Box<dyn Source>,
+        _options: BatchOptions,
+        _shutdown: ShutdownSignal<'_>,
+    ) -> Option<Result<Summary, SourceError>> {
         None
     }
 }
@@ -226,6 +259,15 @@ macro_rules! sql_backend {
 
             fn sql_handler(statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
                 Some(Box::new(crate::sink::SqlHandler::<$db>::new(statement)))
+            }
+
+            async fn run_batched(
+                consumer: &Consumer<Self>,
+                source: Box<dyn Source>,
+                options: BatchOptions,
+                shutdown: ShutdownSignal<'_>,
+            ) -> Option<Result<Summary, SourceError>> {
+                Some(consumer.run_batched_until(source, options, shutdown).await)
             }
         }
     };

@@ -219,6 +219,16 @@ struct ConsumeArgs {
     #[arg(long)]
     no_migrate: bool,
 
+    /// Batch mode (SQL stores): up to N messages share one transaction, each
+    /// in its own savepoint, with one commit per batch. Faster; a batch is
+    /// settled only after its commit.
+    #[arg(long, value_name = "N", value_parser = parse_positive)]
+    batch: Option<usize>,
+
+    /// Batch mode: how long to wait for a batch to fill after its first message.
+    #[arg(long, default_value = "20ms", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    batch_wait: Duration,
+
     /// Keep up to N recently completed keys in memory and answer their
     /// duplicates without a store round trip (0: off).
     #[arg(long, default_value_t = 0, value_name = "N")]

@@ -1079,7 +1079,10 @@ async fn caches_in_front_of_sql_change_no_outcome() {
 /// `produce` the payments file to a broker with duplicates of both kinds,
 /// then `consume` it into SQLite until the broker is idle: the ledger is
 /// exactly the one from the file, and a second consume finds nothing.
-#[cfg(feature = "sqlite")]
+#[cfg(all(
+    feature = "sqlite",
+    any(feature = "amqp", feature = "kafka", feature = "sqs")
+))]
 async fn broker_round_trip(url: &str) {
     let fx = Fixture::new();
     let produced = fx
@@ -1159,4 +1162,24 @@ async fn sqs_produce_and_consume() {
         "sqs://{queue}?endpoint=http://127.0.0.1:5000&region=us-east-1&create=true&wait=1"
     ))
     .await;
+}
+
+/// `--batch`: the same outcomes and ledger as per-message mode, batch by
+/// batch; with a lease store it is a usage error.
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn batch_mode_gives_the_same_outcomes() {
+    let fx = Fixture::new();
+    let run = fx
+        .consume(&["--batch", "4", "--no-checkpoint"])
+        .expect_code(0);
+    assert_eq!(first_line(&run), FIRST_RUN, "{run:#?}");
+    assert_eq!(fx.ledger().await, expected_ledger());
+    let rerun = fx
+        .consume(&["--batch", "100", "--no-checkpoint"])
+        .expect_code(0);
+    assert_eq!(first_line(&rerun), FULL_RERUN, "{rerun:#?}");
+    assert_eq!(fx.ledger().await, expected_ledger());
+    let cached = fx.consume(&["--batch", "4", "--local-cache", "10"]);
+    assert_eq!(cached.code, 2, "{cached:#?}");
 }

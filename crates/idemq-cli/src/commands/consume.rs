@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use async_trait::async_trait;
+use idemq::engine::BatchOptions;
 use idemq::source::{Delivery, Source};
 use idemq::store::cache::CachedStore;
 use idemq::{ConflictPolicy, Consumer, InFlightPolicy, OutcomeKind, SourceError, Summary};
@@ -87,7 +88,23 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
     if let Some(progress) = &progress {
         progress.show();
     }
-    let result = consumer.run_until(source, interrupt.wait()).await;
+    let result = match args.batch {
+        None => consumer.run_until(source, interrupt.wait()).await,
+        Some(max_size) => {
+            let options = BatchOptions {
+                max_size,
+                max_wait: args.batch_wait,
+            };
+            B::run_batched(&consumer, source, options, Box::pin(interrupt.wait()))
+                .await
+                .ok_or_else(|| {
+                    exit::usage(
+                        "--batch needs a SQL store without --cache/--local-cache \
+                         (batches share one database transaction)",
+                    )
+                })?
+        }
+    };
     if let Some(progress) = progress {
         progress.finish();
     }

@@ -271,7 +271,7 @@ impl<S: Store> Consumer<S> {
         outcome
     }
 
-    async fn settle(&self, outcome: &Outcome, acker: Box<dyn Acknowledger>) {
+    pub(crate) async fn settle(&self, outcome: &Outcome, acker: Box<dyn Acknowledger>) {
         let result = match outcome {
             Outcome::Processed { .. } | Outcome::Duplicate { .. } => acker.ack().await,
             Outcome::Conflict { .. } => match self.inner.conflict {
@@ -287,7 +287,7 @@ impl<S: Store> Consumer<S> {
         }
     }
 
-    fn report(&self, outcome: &Outcome, meta: &DeliveryMeta) {
+    pub(crate) fn report(&self, outcome: &Outcome, meta: &DeliveryMeta) {
         let consumer = self.inner.name.as_str();
         match outcome {
             Outcome::Processed { key, .. } => {
@@ -329,6 +329,27 @@ impl<S: Store> Consumer<S> {
         }
     }
 
+    /// The business key and fingerprint of a message, or why it must be
+    /// dead-lettered (with the key when one was derived).
+    pub(crate) fn identify(
+        &self,
+        message: &Message,
+        defect: Option<InputError>,
+    ) -> Result<(String, String), (Option<String>, DeadLetterReason)> {
+        let inner = &*self.inner;
+        if let Some(defect) = defect {
+            return Err((None, DeadLetterReason::InvalidInput(defect)));
+        }
+        let key = inner
+            .key
+            .extract(message)
+            .map_err(|e| (None, DeadLetterReason::InvalidInput(e)))?;
+        match inner.fingerprint.compute(message) {
+            Ok(fingerprint) => Ok((key, fingerprint)),
+            Err(e) => Err((Some(key), DeadLetterReason::InvalidInput(e))),
+        }
+    }
+
     async fn decide(
         &self,
         message: &Message,
@@ -336,36 +357,11 @@ impl<S: Store> Consumer<S> {
         defect: Option<InputError>,
     ) -> Outcome {
         let inner = &*self.inner;
-        if let Some(defect) = defect {
-            return self
-                .dead_letter(
-                    None,
-                    DeadLetterReason::InvalidInput(defect),
-                    message,
-                    meta,
-                    0,
-                )
-                .await;
-        }
-        let key = match inner.key.extract(message) {
-            Ok(key) => key,
-            Err(e) => {
+        let (key, fingerprint) = match self.identify(message, defect) {
+            Ok(ids) => ids,
+            Err((key, reason)) => {
                 return self
-                    .dead_letter(None, DeadLetterReason::InvalidInput(e), message, meta, 0)
-                    .await
-            }
-        };
-        let fingerprint = match inner.fingerprint.compute(message) {
-            Ok(fp) => fp,
-            Err(e) => {
-                return self
-                    .dead_letter(
-                        Some(&key),
-                        DeadLetterReason::InvalidInput(e),
-                        message,
-                        meta,
-                        0,
-                    )
+                    .dead_letter(key.as_deref(), reason, message, meta, 0)
                     .await
             }
         };
@@ -389,6 +385,60 @@ impl<S: Store> Consumer<S> {
             Err(e) => return self.busy(Some(key), format!("claim failed: {e}")),
         };
         self.run_handler(tx, &req, message, meta).await
+    }
+
+    /// Why a delivery is past [`RetryPolicy::max_deliveries`], if it is.
+    pub(crate) fn over_delivery_limit(&self, meta: &DeliveryMeta) -> Option<String> {
+        let max = self.inner.retry.max_deliveries?;
+        (meta.delivery_count > max).then(|| {
+            format!(
+                "delivered {} times, more than max_deliveries {max}",
+                meta.delivery_count
+            )
+        })
+    }
+
+    /// Runs the handler once with `tx`: a panic or a timeout becomes a
+    /// retryable error.
+    pub(crate) async fn call_handler(
+        &self,
+        tx: &mut S::Tx,
+        req: &ClaimRequest<'_>,
+        message: &Message,
+        meta: &DeliveryMeta,
+    ) -> HandlerResult {
+        let inner = &*self.inner;
+        let ctx = Context {
+            consumer: req.consumer,
+            key: req.key,
+            fingerprint: req.fingerprint,
+            message,
+            meta,
+            attempt: meta.delivery_count.max(1),
+        };
+        let started = Instant::now();
+        let result = {
+            let run = AssertUnwindSafe(inner.handler.handle(&ctx, tx)).catch_unwind();
+            match inner.handler_timeout {
+                Some(limit) => match tokio::time::timeout(limit, run).await {
+                    Ok(r) => r,
+                    Err(_) => Ok(Err(HandlerError::retryable(format!(
+                        "handler timed out after {limit:?}"
+                    )))),
+                },
+                None => run.await,
+            }
+        };
+        metrics::histogram!("idemq_handler_seconds", "consumer" => inner.name.clone())
+            .record(started.elapsed().as_secs_f64());
+        result.unwrap_or_else(|panic| {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_owned());
+            Err(HandlerError::retryable(format!("handler panicked: {what}")))
+        })
     }
 
     /// Claims the key; with [`InFlightPolicy::Wait`], polls while another
@@ -424,58 +474,22 @@ impl<S: Store> Consumer<S> {
         meta: &DeliveryMeta,
     ) -> Outcome {
         let inner = &*self.inner;
-        if let Some(max) = inner.retry.max_deliveries {
-            if meta.delivery_count > max {
-                if let Err(e) = inner.store.rollback(tx).await {
-                    tracing::warn!(consumer = %inner.name, key = req.key, error = %e, "rollback failed");
-                }
-                let error = format!(
-                    "delivered {} times, more than max_deliveries {max}",
-                    meta.delivery_count
-                );
-                return self
-                    .dead_letter_with(
-                        Some(req.key),
-                        DeadLetterReason::DeliveryLimit,
-                        &error,
-                        message,
-                        meta,
-                        0,
-                    )
-                    .await;
+        if let Some(error) = self.over_delivery_limit(meta) {
+            if let Err(e) = inner.store.rollback(tx).await {
+                tracing::warn!(consumer = %inner.name, key = req.key, error = %e, "rollback failed");
             }
+            return self
+                .dead_letter_with(
+                    Some(req.key),
+                    DeadLetterReason::DeliveryLimit,
+                    &error,
+                    message,
+                    meta,
+                    0,
+                )
+                .await;
         }
-        let ctx = Context {
-            consumer: req.consumer,
-            key: req.key,
-            fingerprint: req.fingerprint,
-            message,
-            meta,
-            attempt: meta.delivery_count.max(1),
-        };
-        let started = Instant::now();
-        let result = {
-            let run = AssertUnwindSafe(inner.handler.handle(&ctx, &mut tx)).catch_unwind();
-            match inner.handler_timeout {
-                Some(limit) => match tokio::time::timeout(limit, run).await {
-                    Ok(r) => r,
-                    Err(_) => Ok(Err(HandlerError::retryable(format!(
-                        "handler timed out after {limit:?}"
-                    )))),
-                },
-                None => run.await,
-            }
-        };
-        metrics::histogram!("idemq_handler_seconds", "consumer" => inner.name.clone())
-            .record(started.elapsed().as_secs_f64());
-        let result = result.unwrap_or_else(|panic| {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_owned());
-            Err(HandlerError::retryable(format!("handler panicked: {what}")))
-        });
+        let result = self.call_handler(&mut tx, req, message, meta).await;
         match result {
             Ok(value) => match inner.store.commit(tx, req, value.as_ref()).await {
                 Ok(()) => Outcome::Processed {
@@ -494,7 +508,7 @@ impl<S: Store> Consumer<S> {
         }
     }
 
-    async fn failed(
+    pub(crate) async fn failed(
         &self,
         key: &str,
         error: HandlerError,
@@ -550,7 +564,7 @@ impl<S: Store> Consumer<S> {
         }
     }
 
-    async fn conflict(
+    pub(crate) async fn conflict(
         &self,
         record: crate::store::InboxRecord,
         fingerprint: String,
@@ -583,7 +597,7 @@ impl<S: Store> Consumer<S> {
     }
 
     /// Not this message's fault: retry after the busy delay without counting an attempt.
-    fn busy(&self, key: Option<String>, error: String) -> Outcome {
+    pub(crate) fn busy(&self, key: Option<String>, error: String) -> Outcome {
         Outcome::RetryLater {
             key,
             attempts: 0,
@@ -592,7 +606,7 @@ impl<S: Store> Consumer<S> {
         }
     }
 
-    async fn dead_letter(
+    pub(crate) async fn dead_letter(
         &self,
         key: Option<&str>,
         reason: DeadLetterReason,
@@ -608,7 +622,7 @@ impl<S: Store> Consumer<S> {
             .await
     }
 
-    async fn dead_letter_with(
+    pub(crate) async fn dead_letter_with(
         &self,
         key: Option<&str>,
         reason: DeadLetterReason,

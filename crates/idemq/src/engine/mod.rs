@@ -12,10 +12,15 @@
 //! with backoff; a permanent failure, exhausted retries and bad input are
 //! dead-lettered and acked. A crash at any point leaves either nothing or
 //! everything committed, and the redelivery sorts it out.
+//!
+//! [`Consumer::run_batched`] runs the same steps for a whole polled batch in
+//! one transaction (SQL stores), with a savepoint per message; see [`batch`].
 
+pub mod batch;
 mod consumer;
 mod handler;
 mod run;
 
+pub use batch::BatchOptions;
 pub use consumer::{validate_consumer_name, Consumer, ConsumerBuilder};
 pub use handler::{handler_fn, Context, FnHandler, Handler, HandlerResult};

@@ -221,6 +221,62 @@ pub trait Store: Send + Sync + 'static {
     async fn dead_letter(&self, letter: &DeadLetter<'_>) -> Result<(), StoreError>;
 }
 
+/// One key's answer in a batch claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchClaim {
+    /// The key is new and now claimed in the batch's transaction.
+    New,
+    /// The key was processed before.
+    Done(InboxRecord),
+    /// The key exists but its row is not visible to this transaction yet
+    /// (another transaction is committing it): retry the message later.
+    Busy,
+}
+
+/// Stores that can claim a whole batch of keys in one transaction, and
+/// isolate each message's handler in a savepoint (the SQL stores).
+///
+/// The engine's batch mode calls, in order: [`claim_batch`](Self::claim_batch)
+/// once; for each new key [`savepoint`](Self::savepoint), the handler, then
+/// [`release_savepoint`](Self::release_savepoint) or
+/// [`rollback_message`](Self::rollback_message); finally
+/// [`commit_batch`](Self::commit_batch) (or [`Store::rollback`]).
+#[async_trait]
+pub trait BatchStore: Store {
+    /// Opens a transaction and claims every `(key, fingerprint)` of
+    /// `consumer` in it, in one statement; answers in the order given. The
+    /// keys must be distinct.
+    async fn claim_batch(
+        &self,
+        consumer: &str,
+        claims: &[(&str, &str)],
+    ) -> Result<(Self::Tx, Vec<BatchClaim>), StoreError>;
+
+    /// Marks the point one message's work can be rolled back to.
+    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
+
+    /// Keeps one message's work (releases its savepoint).
+    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
+
+    /// Undoes one message's work back to its savepoint and gives up its
+    /// claim, so that the redelivery can claim the key again.
+    async fn rollback_message(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        key: &str,
+    ) -> Result<(), StoreError>;
+
+    /// Stores the results, clears the processed keys' failed attempts and
+    /// commits the batch.
+    async fn commit_batch(
+        &self,
+        tx: Self::Tx,
+        consumer: &str,
+        processed: &[(&str, Option<&serde_json::Value>)],
+    ) -> Result<(), StoreError>;
+}
+
 /// Operations off the hot path: schema, retention, inspection, dead letters.
 #[async_trait]
 pub trait StoreAdmin: Send + Sync {
@@ -274,13 +330,23 @@ pub fn system_time_ms(t: SystemTime) -> i64 {
 }
 
 /// Parses a stored result column.
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite", feature = "redis"))]
+#[cfg(any(
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite",
+    feature = "redis"
+))]
 pub(crate) fn parse_result(text: Option<String>) -> Option<serde_json::Value> {
     text.map(|t| serde_json::from_str(&t).unwrap_or(serde_json::Value::String(t)))
 }
 
 /// Rebuilds a message and its metadata from dead-letter columns.
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite", feature = "redis"))]
+#[cfg(any(
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite",
+    feature = "redis"
+))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dead_letter_message(
     message_id: Option<String>,

@@ -6,11 +6,13 @@
 //! constraint, so a message applied twice shows up as two rows.
 
 mod backend;
+mod batch;
 mod scenarios;
 
 #[cfg(feature = "mysql")]
 mod mysql {
     crate::scenarios::suite!(crate::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>);
+    crate::batch::batch_suite!(crate::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>);
 }
 
 #[cfg(feature = "postgres")]
@@ -18,11 +20,15 @@ mod postgres {
     crate::scenarios::suite!(
         crate::backend::SqlBackend<idemq::store::sql::postgres::PostgresStore>
     );
+    crate::batch::batch_suite!(
+        crate::backend::SqlBackend<idemq::store::sql::postgres::PostgresStore>
+    );
 }
 
 #[cfg(feature = "sqlite")]
 mod sqlite {
     crate::scenarios::suite!(crate::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);
+    crate::batch::batch_suite!(crate::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);
 }
 
 #[cfg(feature = "redis")]

@@ -61,7 +61,7 @@ macro_rules! suite {
 }
 pub(crate) use suite;
 
-fn fast_retries(max_attempts: u32) -> RetryPolicy {
+pub(crate) fn fast_retries(max_attempts: u32) -> RetryPolicy {
     RetryPolicy {
         max_attempts,
         initial_backoff: Duration::from_millis(5),
@@ -72,22 +72,26 @@ fn fast_retries(max_attempts: u32) -> RetryPolicy {
     }
 }
 
-fn consumer<B: Backend>(backend: &B, name: &str, plan: &Arc<Plan>) -> ConsumerBuilder<B::S> {
+pub(crate) fn consumer<B: Backend>(
+    backend: &B,
+    name: &str,
+    plan: &Arc<Plan>,
+) -> ConsumerBuilder<B::S> {
     Consumer::builder(name, backend.store())
         .key(KeySpec::json("/k"))
         .handler(backend.handler(Arc::clone(plan)))
         .retry(fast_retries(3))
 }
 
-fn msg(key: &str, amount: i64) -> Message {
+pub(crate) fn msg(key: &str, amount: i64) -> Message {
     Message::new(serde_json::json!({ "k": key, "amount": amount }).to_string())
 }
 
-fn failing(key: &str, fail: &str) -> Message {
+pub(crate) fn failing(key: &str, fail: &str) -> Message {
     Message::new(serde_json::json!({ "k": key, "amount": 1, "fail": fail }).to_string())
 }
 
-fn queue_of(messages: impl IntoIterator<Item = Message>) -> MemoryQueue {
+pub(crate) fn queue_of(messages: impl IntoIterator<Item = Message>) -> MemoryQueue {
     let queue = MemoryQueue::new("test");
     for m in messages {
         queue.push(m);
@@ -316,9 +320,9 @@ pub async fn a_message_that_keeps_crashing_hits_the_delivery_limit<B: Backend>()
 
 /// Loses the ack of the first `lose` deliveries, as when a consumer dies
 /// between the commit and the ack: the queue redelivers them.
-struct LosingAcks {
-    inner: QueueSource,
-    lose: usize,
+pub(crate) struct LosingAcks {
+    pub(crate) inner: QueueSource,
+    pub(crate) lose: usize,
 }
 
 struct LostAck(#[allow(dead_code)] Box<dyn Acknowledger>);

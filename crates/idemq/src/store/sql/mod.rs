@@ -19,7 +19,7 @@ pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
-pub use queries::{Dialect, Queries, Tables};
+pub use queries::{BatchQueries, Dialect, Queries, Tables};
 
 use crate::error::{ConfigError, StoreError};
 
@@ -124,6 +124,7 @@ macro_rules! sql_store {
         pub struct $store {
             pool: sqlx::Pool<$db>,
             queries: std::sync::Arc<$crate::store::sql::Queries>,
+            batch: std::sync::Arc<$crate::store::sql::BatchQueries>,
             tables: $crate::store::sql::Tables,
         }
 
@@ -161,9 +162,11 @@ macro_rules! sql_store {
 
             fn with_tables(pool: sqlx::Pool<$db>, tables: $crate::store::sql::Tables) -> Self {
                 let queries = $crate::store::sql::Queries::new($dialect, &tables);
+                let batch = $crate::store::sql::BatchQueries::new($dialect, &tables);
                 Self {
                     pool,
                     queries: std::sync::Arc::new(queries),
+                    batch: std::sync::Arc::new(batch),
                     tables,
                 }
             }
@@ -391,6 +394,149 @@ macro_rules! sql_store {
                         .execute(&mut *tx)
                         .await
                         .map_err(store_error)?;
+                }
+                tx.commit().await.map_err(store_error)
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl $crate::store::BatchStore for $store {
+            async fn claim_batch(
+                &self,
+                consumer: &str,
+                claims: &[(&str, &str)],
+            ) -> Result<(Self::Tx, Vec<$crate::store::BatchClaim>), $crate::StoreError> {
+                use sqlx::Row;
+                use $crate::store::sql::store_error;
+                use $crate::store::BatchClaim;
+                let mut tx = self.pool.begin().await.map_err(store_error)?;
+                if claims.is_empty() {
+                    return Ok((tx, Vec::new()));
+                }
+                // Insert in key order, so that concurrent batches over
+                // overlapping keys lock rows in the same order.
+                let mut sorted: Vec<&(&str, &str)> = claims.iter().collect();
+                sorted.sort_unstable_by_key(|(key, _)| *key);
+                let now = $crate::store::now_ms();
+                let sql = self.batch.claim(sorted.len());
+                let mut query = sqlx::query(&sql);
+                for (key, fingerprint) in &sorted {
+                    query = query.bind(consumer).bind(*key).bind(*fingerprint).bind(now);
+                }
+                let inserted: std::collections::HashSet<String> = query
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(store_error)?
+                    .iter()
+                    .map(|row| row.try_get::<String, _>(0))
+                    .collect::<Result<_, _>>()
+                    .map_err(store_error)?;
+                let existing: Vec<&str> = claims
+                    .iter()
+                    .map(|(key, _)| *key)
+                    .filter(|key| !inserted.contains(*key))
+                    .collect();
+                let mut records = std::collections::HashMap::new();
+                if !existing.is_empty() {
+                    let sql = self.batch.fetch(existing.len());
+                    let mut query = sqlx::query(&sql).bind(consumer);
+                    for key in &existing {
+                        query = query.bind(*key);
+                    }
+                    for row in query.fetch_all(&mut *tx).await.map_err(store_error)? {
+                        let key = row.try_get::<String, _>(0).map_err(store_error)?;
+                        let record = $crate::store::InboxRecord {
+                            consumer: consumer.to_owned(),
+                            key: key.clone(),
+                            fingerprint: row.try_get::<String, _>(1).map_err(store_error)?,
+                            result: $crate::store::parse_result(
+                                row.try_get::<Option<String>, _>(2).map_err(store_error)?,
+                            ),
+                            first_seen_ms: row.try_get::<i64, _>(3).map_err(store_error)?,
+                        };
+                        records.insert(key, record);
+                    }
+                }
+                let answers = claims
+                    .iter()
+                    .map(|(key, _)| {
+                        if inserted.contains(*key) {
+                            BatchClaim::New
+                        } else {
+                            records
+                                .remove(*key)
+                                .map_or(BatchClaim::Busy, BatchClaim::Done)
+                        }
+                    })
+                    .collect();
+                Ok((tx, answers))
+            }
+
+            async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), $crate::StoreError> {
+                sqlx::query("SAVEPOINT idemq_message")
+                    .execute(&mut **tx)
+                    .await
+                    .map(|_| ())
+                    .map_err($crate::store::sql::store_error)
+            }
+
+            async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), $crate::StoreError> {
+                sqlx::query("RELEASE SAVEPOINT idemq_message")
+                    .execute(&mut **tx)
+                    .await
+                    .map(|_| ())
+                    .map_err($crate::store::sql::store_error)
+            }
+
+            async fn rollback_message(
+                &self,
+                tx: &mut Self::Tx,
+                consumer: &str,
+                key: &str,
+            ) -> Result<(), $crate::StoreError> {
+                use $crate::store::sql::store_error;
+                sqlx::query("ROLLBACK TO SAVEPOINT idemq_message")
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(store_error)?;
+                sqlx::query("RELEASE SAVEPOINT idemq_message")
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(store_error)?;
+                sqlx::query(&self.batch.unclaim())
+                    .bind(consumer)
+                    .bind(key)
+                    .execute(&mut **tx)
+                    .await
+                    .map(|_| ())
+                    .map_err(store_error)
+            }
+
+            async fn commit_batch(
+                &self,
+                mut tx: Self::Tx,
+                consumer: &str,
+                processed: &[(&str, Option<&serde_json::Value>)],
+            ) -> Result<(), $crate::StoreError> {
+                use $crate::store::sql::store_error;
+                for (key, result) in processed {
+                    if let Some(result) = result {
+                        sqlx::query(&self.queries.set_result)
+                            .bind(result.to_string())
+                            .bind(consumer)
+                            .bind(*key)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(store_error)?;
+                    }
+                }
+                if !processed.is_empty() {
+                    let sql = self.batch.clear_attempts(processed.len());
+                    let mut query = sqlx::query(&sql).bind(consumer);
+                    for (key, _) in processed {
+                        query = query.bind(*key);
+                    }
+                    query.execute(&mut *tx).await.map_err(store_error)?;
                 }
                 tx.commit().await.map_err(store_error)
             }

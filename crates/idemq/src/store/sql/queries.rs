@@ -118,6 +118,86 @@ pub struct Queries {
     pub migrations: Vec<(i64, Vec<String>)>,
 }
 
+/// Statements whose shape depends on the batch size (batch mode).
+#[derive(Debug, Clone)]
+pub struct BatchQueries {
+    dialect: Dialect,
+    inbox: String,
+    attempts: String,
+}
+
+impl BatchQueries {
+    /// For `dialect` over `tables`.
+    pub fn new(dialect: Dialect, tables: &Tables) -> Self {
+        Self {
+            dialect,
+            inbox: tables.inbox.clone(),
+            attempts: tables.attempts.clone(),
+        }
+    }
+
+    fn finish(&self, sql: String) -> String {
+        match self.dialect {
+            Dialect::Postgres => number_placeholders(&sql),
+            _ => sql,
+        }
+    }
+
+    fn key_list(n: usize) -> String {
+        vec!["?"; n].join(", ")
+    }
+
+    /// Claims `n` keys in one statement and returns the keys it inserted.
+    /// Binds per row: consumer, key, fingerprint, created_at.
+    pub fn claim(&self, n: usize) -> String {
+        let rows = vec!["(?, ?, ?, ?)"; n].join(", ");
+        let inbox = &self.inbox;
+        self.finish(match self.dialect {
+            // MariaDB 10.5+; ignored rows are not returned.
+            Dialect::MySql => format!(
+                "INSERT IGNORE INTO {inbox} (consumer, msg_key, fingerprint, created_at) VALUES {rows} \
+                 RETURNING CONVERT(msg_key USING utf8mb4) AS msg_key"
+            ),
+            _ => format!(
+                "INSERT INTO {inbox} (consumer, msg_key, fingerprint, created_at) VALUES {rows} \
+                 ON CONFLICT DO NOTHING RETURNING msg_key"
+            ),
+        })
+    }
+
+    /// Reads the rows of `n` keys of one consumer. Binds: consumer, then the
+    /// keys. Returns msg_key, fingerprint, result_json, created_at.
+    pub fn fetch(&self, n: usize) -> String {
+        let (inbox, keys) = (&self.inbox, Self::key_list(n));
+        self.finish(match self.dialect {
+            Dialect::MySql => format!(
+                "SELECT CONVERT(msg_key USING utf8mb4) AS msg_key, fingerprint, result_json, created_at \
+                 FROM {inbox} WHERE consumer = ? AND msg_key IN ({keys}) LOCK IN SHARE MODE"
+            ),
+            _ => format!(
+                "SELECT msg_key, fingerprint, result_json, created_at FROM {inbox} \
+                 WHERE consumer = ? AND msg_key IN ({keys})"
+            ),
+        })
+    }
+
+    /// Deletes the failed attempts of `n` keys. Binds: consumer, then the keys.
+    pub fn clear_attempts(&self, n: usize) -> String {
+        let (attempts, keys) = (&self.attempts, Self::key_list(n));
+        self.finish(format!(
+            "DELETE FROM {attempts} WHERE consumer = ? AND msg_key IN ({keys})"
+        ))
+    }
+
+    /// Gives up one claim. Binds: consumer, key.
+    pub fn unclaim(&self) -> String {
+        let inbox = &self.inbox;
+        self.finish(format!(
+            "DELETE FROM {inbox} WHERE consumer = ? AND msg_key = ?"
+        ))
+    }
+}
+
 /// Dead-letter columns after `id`, in insert and select order.
 pub const DEAD_LETTER_COLUMNS: [&str; 15] = [
     "consumer",

@@ -1,0 +1,426 @@
+//! Batch mode: a polled batch of messages shares one transaction.
+//!
+//! Per batch, with a [`BatchStore`] (the SQL stores):
+//! 1. every message's key and fingerprint are derived (bad input is
+//!    dead-lettered on its own, as in per-message mode);
+//! 2. all keys are claimed in **one statement** in a new transaction; copies
+//!    of one key inside the batch are claimed once (the first copy leads);
+//! 3. each new key's handler runs inside its own **savepoint**: a failing
+//!    message is rolled back to it and gives up its claim, the rest stay;
+//! 4. results are stored and the batch **commits once**;
+//! 5. only then are the deliveries settled: processed and duplicates acked,
+//!    failures counted (outside the transaction) and nacked or dead-lettered.
+//!
+//! A copy of a key that another message in the same batch leads is answered
+//! after the commit: a duplicate (or a conflict) when the leader was
+//! processed, retried later otherwise. If the commit fails, nothing of the
+//! batch is acked: every message is retried and the inbox sorts out what did
+//! commit. A crash anywhere leaves the whole batch committed or none of it.
+//!
+//! Batching trades latency for throughput: one commit (one fsync) per batch
+//! instead of per message. Sources that hold back a partition's next message
+//! until the previous one is settled (Kafka, SQS FIFO groups) fill a batch
+//! with at most one message per partition or group.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::Duration;
+
+use super::consumer::Consumer;
+use crate::error::{HandlerError, SourceError};
+use crate::message::{DeliveryMeta, Message};
+use crate::outcome::{Outcome, Summary};
+use crate::source::{Acknowledger, Delivery, Source};
+use crate::store::{BatchClaim, BatchStore, ClaimRequest, DeadLetterReason, InboxRecord};
+
+/// How batches are formed in [`Consumer::run_batched`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchOptions {
+    /// At most this many messages per batch (and per transaction).
+    pub max_size: usize,
+    /// After the first message of a batch arrived, wait at most this long for
+    /// more before running the batch.
+    pub max_wait: Duration,
+}
+
+impl Default for BatchOptions {
+    /// 100 messages, 20 ms.
+    fn default() -> Self {
+        Self {
+            max_size: 100,
+            max_wait: Duration::from_millis(20),
+        }
+    }
+}
+
+/// One message of a batch while it is being processed.
+struct Item {
+    message: Message,
+    meta: DeliveryMeta,
+    acker: Box<dyn Acknowledger>,
+    outcome: Option<Outcome>,
+}
+
+/// What happened to a leader (the first copy of a key in the batch).
+enum Led {
+    Processed(Option<serde_json::Value>),
+    Done(InboxRecord),
+    Failed,
+}
+
+impl<S: BatchStore> Consumer<S> {
+    /// Runs `source` in batches until it ends, and returns the outcome counts.
+    ///
+    /// ```
+    /// # #[cfg(feature = "sqlite")]
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// use idemq::engine::BatchOptions;
+    /// use idemq::source::queue::MemoryQueue;
+    /// use idemq::store::{sql::sqlite::SqliteStore, StoreAdmin};
+    /// use idemq::{Consumer, KeySpec, Message, OutcomeKind};
+    ///
+    /// let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    /// store.migrate().await.unwrap();
+    /// let consumer = Consumer::builder("batched", store)
+    ///     .key(KeySpec::json("/id"))
+    ///     .handler_fn(|_ctx, _tx| Box::pin(async { Ok(None) }))
+    ///     .build()
+    ///     .unwrap();
+    /// let queue = MemoryQueue::new("q");
+    /// for i in [1, 2, 1, 3] {
+    ///     queue.push(Message::new(format!(r#"{{"id":{i}}}"#)));
+    /// }
+    /// queue.close();
+    /// let summary = consumer.run_batched(queue.source(), BatchOptions::default()).await.unwrap();
+    /// assert_eq!(summary.count(OutcomeKind::Processed), 3);
+    /// assert_eq!(summary.count(OutcomeKind::Duplicate), 1);
+    /// # });
+    /// ```
+    pub async fn run_batched(
+        &self,
+        source: impl Source,
+        options: BatchOptions,
+    ) -> Result<Summary, SourceError> {
+        self.run_batched_until(source, options, std::future::pending::<()>())
+            .await
+    }
+
+    /// Like [`run_batched`](Self::run_batched), but stops taking new
+    /// deliveries when `shutdown` completes, runs the batch in hand, and returns.
+    pub async fn run_batched_until(
+        &self,
+        mut source: impl Source,
+        options: BatchOptions,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<Summary, SourceError> {
+        let max_size = options.max_size.max(1);
+        let mut summary = Summary::default();
+        tokio::pin!(shutdown);
+        let mut stopping = false;
+        let mut failure = None;
+        while !stopping {
+            let mut batch = Vec::with_capacity(max_size);
+            // The first message: wait as long as it takes.
+            tokio::select! {
+                next = source.next() => match next {
+                    Ok(Some(d)) => batch.push(d),
+                    Ok(None) => break,
+                    Err(e) => { failure = Some(e); break; }
+                },
+                _ = &mut shutdown => break,
+            }
+            let deadline = tokio::time::Instant::now() + options.max_wait;
+            while batch.len() < max_size {
+                tokio::select! {
+                    next = source.next() => match next {
+                        Ok(Some(d)) => batch.push(d),
+                        Ok(None) => { stopping = true; break; }
+                        Err(e) => { failure = Some(e); stopping = true; break; }
+                    },
+                    _ = tokio::time::sleep_until(deadline) => break,
+                    _ = &mut shutdown => { stopping = true; break; }
+                }
+            }
+            for outcome in self.process_batch(batch).await {
+                summary.record(outcome.kind());
+            }
+        }
+        if let Some(e) = failure {
+            tracing::error!(consumer = %self.inner.name, error = %e, "source failed");
+            return Err(e);
+        }
+        Ok(summary)
+    }
+
+    /// Processes a batch of deliveries in one transaction (see the module
+    /// docs) and settles each with its source; returns the outcomes in order.
+    pub async fn process_batch(&self, deliveries: Vec<Delivery>) -> Vec<Outcome> {
+        let inner = &*self.inner;
+        let consumer = inner.name.as_str();
+        let mut items = Vec::with_capacity(deliveries.len());
+        // Leaders (first copy of each key) and followers (later copies).
+        let mut leaders: Vec<(usize, String, String)> = Vec::new();
+        let mut followers: Vec<(usize, usize, String)> = Vec::new();
+        let mut leader_of: HashMap<String, usize> = HashMap::new();
+        for delivery in deliveries {
+            let (message, meta, defect, acker) = delivery.into_parts();
+            let index = items.len();
+            let mut item = Item {
+                message,
+                meta,
+                acker,
+                outcome: None,
+            };
+            match self.identify(&item.message, defect) {
+                Err((key, reason)) => {
+                    let outcome = self
+                        .dead_letter(key.as_deref(), reason, &item.message, &item.meta, 0)
+                        .await;
+                    item.outcome = Some(outcome);
+                }
+                Ok((key, fingerprint)) => match leader_of.get(&key) {
+                    Some(&leader) => followers.push((index, leader, fingerprint)),
+                    None => {
+                        leader_of.insert(key.clone(), leaders.len());
+                        leaders.push((index, key, fingerprint));
+                    }
+                },
+            }
+            items.push(item);
+        }
+
+        let led = self.run_leaders(&mut items, &leaders).await;
+
+        for (index, leader, fingerprint) in followers {
+            let key = leaders[leader].1.clone();
+            let outcome = match &led[leader] {
+                Led::Processed(result) => {
+                    let record = InboxRecord {
+                        consumer: consumer.to_owned(),
+                        key,
+                        fingerprint: leaders[leader].2.clone(),
+                        result: result.clone(),
+                        first_seen_ms: crate::store::now_ms(),
+                    };
+                    self.answer(record, fingerprint, &items[index]).await
+                }
+                Led::Done(record) => {
+                    self.answer(record.clone(), fingerprint, &items[index])
+                        .await
+                }
+                Led::Failed => self.busy(
+                    Some(key),
+                    "another copy of the key in the same batch did not complete".into(),
+                ),
+            };
+            items[index].outcome = Some(outcome);
+        }
+
+        let mut outcomes = Vec::with_capacity(items.len());
+        for item in items {
+            let outcome = item.outcome.unwrap_or_else(|| {
+                // Every item gets an outcome above; keep the message if not.
+                Outcome::RetryLater {
+                    key: None,
+                    attempts: 0,
+                    delay: inner.retry.busy_delay,
+                    error: "no outcome".into(),
+                }
+            });
+            self.settle(&outcome, item.acker).await;
+            self.report(&outcome, &item.meta);
+            outcomes.push(outcome);
+        }
+        outcomes
+    }
+
+    /// A duplicate of a processed key, or a conflict if the payload differs.
+    async fn answer(&self, record: InboxRecord, fingerprint: String, item: &Item) -> Outcome {
+        if record.fingerprint == fingerprint {
+            Outcome::Duplicate { record }
+        } else {
+            self.conflict(record, fingerprint, &item.message, &item.meta)
+                .await
+        }
+    }
+
+    /// Claims the leaders in one statement, runs their handlers in
+    /// savepoints, commits, and sets the leaders' outcomes.
+    async fn run_leaders(
+        &self,
+        items: &mut [Item],
+        leaders: &[(usize, String, String)],
+    ) -> Vec<Led> {
+        let inner = &*self.inner;
+        let consumer = inner.name.as_str();
+        let mut led: Vec<Led> = leaders.iter().map(|_| Led::Failed).collect();
+        if leaders.is_empty() {
+            return led;
+        }
+        let claims: Vec<(&str, &str)> = leaders
+            .iter()
+            .map(|(_, key, fp)| (key.as_str(), fp.as_str()))
+            .collect();
+        let (mut tx, answers) = match inner.store.claim_batch(consumer, &claims).await {
+            Ok(claimed) => claimed,
+            Err(e) => {
+                for (index, key, _) in leaders {
+                    items[*index].outcome =
+                        Some(self.busy(Some(key.clone()), format!("claim failed: {e}")));
+                }
+                return led;
+            }
+        };
+
+        // Handlers, each in its own savepoint.
+        let mut failures: Vec<(usize, HandlerError)> = Vec::new();
+        let mut limited: Vec<(usize, String)> = Vec::new();
+        let mut processed: Vec<usize> = Vec::new();
+        let mut broken: Option<String> = None;
+        for (n, ((index, key, fingerprint), answer)) in leaders.iter().zip(answers).enumerate() {
+            let item = &items[*index];
+            match answer {
+                BatchClaim::Done(record) => {
+                    led[n] = Led::Done(record.clone());
+                    let outcome = self.answer(record, fingerprint.clone(), item).await;
+                    items[*index].outcome = Some(outcome);
+                    continue;
+                }
+                BatchClaim::Busy => {
+                    items[*index].outcome = Some(self.busy(
+                        Some(key.clone()),
+                        "the key is being committed by another worker".into(),
+                    ));
+                    continue;
+                }
+                BatchClaim::New => {}
+            }
+            if broken.is_some() {
+                continue;
+            }
+            let req = ClaimRequest {
+                consumer,
+                key,
+                fingerprint,
+                lease: inner.lease,
+            };
+            if let Err(e) = inner.store.savepoint(&mut tx).await {
+                broken = Some(format!("savepoint failed: {e}"));
+                continue;
+            }
+            let result = match self.over_delivery_limit(&item.meta) {
+                Some(error) => {
+                    limited.push((n, error));
+                    Err(None)
+                }
+                None => self
+                    .call_handler(&mut tx, &req, &item.message, &item.meta)
+                    .await
+                    .map_err(Some),
+            };
+            match result {
+                Ok(value) => match inner.store.release_savepoint(&mut tx).await {
+                    Ok(()) => {
+                        led[n] = Led::Processed(value);
+                        processed.push(n);
+                    }
+                    Err(e) => broken = Some(format!("releasing the savepoint failed: {e}")),
+                },
+                Err(error) => {
+                    if let Err(e) = inner.store.rollback_message(&mut tx, consumer, key).await {
+                        broken = Some(format!("rolling back to the savepoint failed: {e}"));
+                    }
+                    if let Some(error) = error {
+                        failures.push((n, error));
+                    }
+                }
+            }
+        }
+
+        // One commit for the batch, unless the transaction broke.
+        let committed = match broken {
+            Some(reason) => {
+                if let Err(e) = inner.store.rollback(tx).await {
+                    tracing::warn!(consumer, error = %e, "rollback failed");
+                }
+                Err(reason)
+            }
+            None => {
+                let results: Vec<(&str, Option<&serde_json::Value>)> = processed
+                    .iter()
+                    .map(|&n| {
+                        let value = match &led[n] {
+                            Led::Processed(v) => v.as_ref(),
+                            _ => None,
+                        };
+                        (leaders[n].1.as_str(), value)
+                    })
+                    .collect();
+                inner
+                    .store
+                    .commit_batch(tx, consumer, &results)
+                    .await
+                    .map_err(|e| format!("commit failed: {e}"))
+            }
+        };
+        if let Err(reason) = committed {
+            // Nothing of the batch is known to be committed: retry every new
+            // key (the redelivery finds out what did commit).
+            for n in processed
+                .iter()
+                .copied()
+                .chain(failures.iter().map(|(n, _)| *n))
+            {
+                led[n] = Led::Failed;
+            }
+            for (n, (index, key, _)) in leaders.iter().enumerate() {
+                if items[*index].outcome.is_none() && !matches!(led[n], Led::Done(_)) {
+                    items[*index].outcome = Some(self.busy(Some(key.clone()), reason.clone()));
+                }
+            }
+            return led;
+        }
+        for &n in &processed {
+            let (index, key, _) = &leaders[n];
+            let result = match &led[n] {
+                Led::Processed(v) => v.clone(),
+                _ => None,
+            };
+            items[*index].outcome = Some(Outcome::Processed {
+                key: key.clone(),
+                result,
+            });
+        }
+        for (n, error) in limited {
+            let (index, key, _) = &leaders[n];
+            let item = &items[*index];
+            let outcome = self
+                .dead_letter_with(
+                    Some(key),
+                    DeadLetterReason::DeliveryLimit,
+                    &error,
+                    &item.message,
+                    &item.meta,
+                    0,
+                )
+                .await;
+            items[*index].outcome = Some(outcome);
+        }
+        for (n, error) in failures {
+            let (index, key, _) = &leaders[n];
+            let item = &items[*index];
+            let outcome = self.failed(key, error, &item.message, &item.meta).await;
+            items[*index].outcome = Some(outcome);
+        }
+        // Leaders that never ran because the transaction broke before them.
+        for (index, key, _) in leaders {
+            if items[*index].outcome.is_none() {
+                items[*index].outcome = Some(self.busy(
+                    Some(key.clone()),
+                    "the batch transaction broke before this message ran".into(),
+                ));
+            }
+        }
+        led
+    }
+}

@@ -1,0 +1,199 @@
+//! Batch mode ([`Consumer::run_batched`]) over the SQL stores: the same
+//! exactly-once scenarios as per-message mode, with duplicates inside and
+//! across batches, a failing message in the middle of a batch, and crashes
+//! before and after the batch's commit.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemq::engine::BatchOptions;
+use idemq::store::{BatchStore, StoreAdmin};
+use idemq::{Message, OutcomeKind};
+
+use crate::backend::{Backend, Plan};
+use crate::scenarios::{consumer, failing, msg, queue_of, LosingAcks};
+
+macro_rules! batch_suite {
+    ($backend:ty) => {
+        mod batch {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn exactly_once_with_duplicates_inside_and_across_batches() {
+                crate::batch::exactly_once_with_duplicates_inside_and_across_batches::<$backend>()
+                    .await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_failing_message_rolls_back_alone() {
+                crate::batch::a_failing_message_rolls_back_alone::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_crash_before_the_commit_applies_the_batch_once() {
+                crate::batch::a_crash_before_the_commit_applies_the_batch_once::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn lost_acks_after_the_commit_are_duplicates() {
+                crate::batch::lost_acks_after_the_commit_are_duplicates::<$backend>().await
+            }
+        }
+    };
+}
+pub(crate) use batch_suite;
+
+fn options(max_size: usize) -> BatchOptions {
+    BatchOptions {
+        max_size,
+        max_wait: Duration::from_millis(5),
+    }
+}
+
+pub async fn exactly_once_with_duplicates_inside_and_across_batches<B: Backend>()
+where
+    B::S: BatchStore,
+{
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let mut messages = Vec::new();
+    let mut expected_sum = 0;
+    for i in 0..600i64 {
+        // Back-to-back copies land in one batch; the shuffled half spreads
+        // copies over batches and workers.
+        for _ in 0..1 + fastrand::usize(..3) {
+            messages.push(msg(&format!("key-{i}"), i));
+        }
+        expected_sum += i;
+    }
+    let mut tail = messages.split_off(messages.len() / 2);
+    fastrand::shuffle(&mut tail);
+    messages.extend(tail);
+    let total = messages.len() as u64;
+    let queue = queue_of(messages);
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let consumer = consumer(&backend, "ledger", &plan).build().unwrap();
+            let source = queue.source();
+            tokio::spawn(async move { consumer.run_batched(source, options(50)).await })
+        })
+        .collect();
+    let (mut processed, mut duplicates, mut retried) = (0, 0, 0);
+    for w in workers {
+        let summary = tokio::time::timeout(Duration::from_secs(120), w)
+            .await
+            .expect("workers finish")
+            .unwrap()
+            .unwrap();
+        processed += summary.count(OutcomeKind::Processed);
+        duplicates += summary.count(OutcomeKind::Duplicate);
+        retried += summary.count(OutcomeKind::RetryLater);
+        assert_eq!(summary.count(OutcomeKind::DeadLettered), 0);
+        assert_eq!(summary.count(OutcomeKind::Conflict), 0);
+    }
+    assert_eq!(processed, 600);
+    assert_eq!(processed + duplicates, total, "{retried} retried");
+    assert_eq!(queue.acked(), total);
+    let ledger = backend.ledger().await;
+    assert_eq!(ledger.len(), 600, "one effect per distinct key");
+    assert_eq!(ledger.iter().map(|(_, a)| a).sum::<i64>(), expected_sum);
+    backend.cleanup().await;
+}
+
+pub async fn a_failing_message_rolls_back_alone<B: Backend>()
+where
+    B::S: BatchStore,
+{
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let flaky = Message::new(r#"{"k":"flaky","amount":5,"fail":"retry","fail_times":1}"#);
+    let queue = queue_of([
+        msg("a", 1),
+        failing("bad", "permanent"),
+        flaky,
+        msg("a", 1), // a copy of "a" in the same batch
+        failing("panics", "panic"),
+        msg("c", 3),
+    ]);
+    let consumer = consumer(&backend, "ledger", &plan).build().unwrap();
+    let summary = consumer
+        .run_batched(queue.source(), options(10))
+        .await
+        .unwrap();
+    assert_eq!(summary.count(OutcomeKind::Processed), 3, "a, c, flaky");
+    assert_eq!(summary.count(OutcomeKind::Duplicate), 1);
+    assert_eq!(summary.count(OutcomeKind::DeadLettered), 2, "bad, panics");
+    // The handler writes its row before failing: the savepoint took it back.
+    let mut ledger = backend.ledger().await;
+    ledger.sort();
+    assert_eq!(
+        ledger,
+        vec![("a".into(), 1), ("c".into(), 3), ("flaky".into(), 5)]
+    );
+    let letters = backend.store().dead_letters(None, 0, 10).await.unwrap();
+    let mut reasons: Vec<_> = letters.iter().map(|l| l.reason.as_str()).collect();
+    reasons.sort();
+    assert_eq!(reasons, ["permanent_failure", "retries_exhausted"]);
+    assert_eq!(queue.acked(), 6);
+    backend.cleanup().await;
+}
+
+pub async fn a_crash_before_the_commit_applies_the_batch_once<B: Backend>()
+where
+    B::S: BatchStore,
+{
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let hang = Message::new(r#"{"k":"h","amount":7,"fail":"hang"}"#);
+    let queue = queue_of([msg("x", 1), msg("y", 2), hang, msg("z", 3)]);
+    let first = consumer(&backend, "ledger", &plan).build().unwrap();
+    let source = queue.source();
+    // x and y ran in the batch's transaction; h hangs; the worker dies.
+    let crashed = tokio::spawn(async move { first.run_batched(source, options(10)).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    crashed.abort();
+    let _ = crashed.await;
+    assert!(backend.ledger().await.is_empty(), "nothing committed");
+
+    let second = consumer(&backend, "ledger", &plan).build().unwrap();
+    let summary = second
+        .run_batched(queue.source(), options(10))
+        .await
+        .unwrap();
+    assert_eq!(summary.count(OutcomeKind::Processed), 4);
+    let mut ledger = backend.ledger().await;
+    ledger.sort();
+    assert_eq!(
+        ledger,
+        vec![
+            ("h".into(), 7),
+            ("x".into(), 1),
+            ("y".into(), 2),
+            ("z".into(), 3)
+        ]
+    );
+    assert!(plan.calls.load(Ordering::SeqCst) >= 6, "x and y ran twice");
+    assert_eq!(queue.acked(), 4);
+    backend.cleanup().await;
+}
+
+pub async fn lost_acks_after_the_commit_are_duplicates<B: Backend>()
+where
+    B::S: BatchStore,
+{
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let queue = queue_of((0..5).map(|i| msg(&format!("k{i}"), i)));
+    let consumer = consumer(&backend, "ledger", &plan).build().unwrap();
+    let summary = consumer
+        .run_batched(
+            LosingAcks {
+                inner: queue.source(),
+                lose: 5,
+            },
+            options(10),
+        )
+        .await
+        .unwrap();
+    assert_eq!(summary.count(OutcomeKind::Processed), 5);
+    assert_eq!(summary.count(OutcomeKind::Duplicate), 5, "the redeliveries");
+    assert_eq!(backend.ledger().await.len(), 5);
+    assert_eq!(queue.acked(), 5);
+    backend.cleanup().await;
+}
