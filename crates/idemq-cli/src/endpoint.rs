@@ -29,6 +29,9 @@ pub enum Endpoint {
     /// `sqs://queue?endpoint=…&region=…`.
     #[cfg(feature = "sqs")]
     Sqs(String),
+    /// `nats://host:4222/STREAM/CONSUMER?subject=…`.
+    #[cfg(feature = "nats")]
+    Nats(String),
 }
 
 impl fmt::Display for Endpoint {
@@ -42,6 +45,8 @@ impl fmt::Display for Endpoint {
             Endpoint::Amqp(url) => f.write_str(&crate::backend::redact(url)),
             #[cfg(feature = "sqs")]
             Endpoint::Sqs(url) => f.write_str(url),
+            #[cfg(feature = "nats")]
+            Endpoint::Nats(url) => f.write_str(&crate::backend::redact(url)),
         }
     }
 }
@@ -75,9 +80,15 @@ impl FromStr for Endpoint {
                 #[cfg(not(feature = "sqs"))]
                 return Err(crate::backend::compiled_out("SQS", "sqs"));
             }
+            "nats" => {
+                #[cfg(feature = "nats")]
+                return Ok(Endpoint::Nats(text.to_owned()));
+                #[cfg(not(feature = "nats"))]
+                return Err(crate::backend::compiled_out("NATS", "nats"));
+            }
             "file" => Ok(Endpoint::File(PathBuf::from(&text["file://".len()..]))),
             other => Err(format!(
-                "unknown scheme {other:?}: expected a file path, `-`, kafka://, amqp:// or sqs://"
+                "unknown scheme {other:?}: expected a file path, `-`, kafka://, amqp://, sqs:// or nats://"
             )),
         }
     }
@@ -145,6 +156,15 @@ impl Endpoint {
                     .with_context(|| format!("connecting to {self}"))?;
                 Ok(Box::new(source))
             }
+            #[cfg(feature = "nats")]
+            Endpoint::Nats(url) => {
+                use idemq::source::nats::{NatsConfig, NatsSource};
+                let config = NatsConfig::from_url(url).map_err(crate::exit::usage)?;
+                let source = NatsSource::connect(config)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(source))
+            }
         }
     }
 
@@ -194,6 +214,15 @@ impl Endpoint {
                 use idemq::source::sqs::{SqsConfig, SqsPublisher};
                 let config = SqsConfig::from_url(url).map_err(crate::exit::usage)?;
                 let publisher = SqsPublisher::connect(config)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(publisher))
+            }
+            #[cfg(feature = "nats")]
+            Endpoint::Nats(url) => {
+                use idemq::source::nats::{NatsConfig, NatsPublisher};
+                let config = NatsConfig::from_url(url).map_err(crate::exit::usage)?;
+                let publisher = NatsPublisher::connect(config)
                     .await
                     .with_context(|| format!("connecting to {self}"))?;
                 Ok(Box::new(publisher))

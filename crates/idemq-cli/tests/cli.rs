@@ -1081,7 +1081,7 @@ async fn caches_in_front_of_sql_change_no_outcome() {
 /// exactly the one from the file, and a second consume finds nothing.
 #[cfg(all(
     feature = "sqlite",
-    any(feature = "amqp", feature = "kafka", feature = "sqs")
+    any(feature = "amqp", feature = "kafka", feature = "sqs", feature = "nats")
 ))]
 async fn broker_round_trip(url: &str) {
     let fx = Fixture::new();
@@ -1182,4 +1182,14 @@ async fn batch_mode_gives_the_same_outcomes() {
     assert_eq!(fx.ledger().await, expected_ledger());
     let cached = fx.consume(&["--batch", "4", "--local-cache", "10"]);
     assert_eq!(cached.code, 2, "{cached:#?}");
+}
+
+#[cfg(all(feature = "sqlite", feature = "nats"))]
+#[tokio::test]
+async fn nats_produce_and_consume() {
+    let name = format!("cli_{}", unique_suffix());
+    broker_round_trip(&format!(
+        "nats://127.0.0.1:4222/{name}/{name}_c?subject={name}.payments&create=true&ack_wait=5s&wait=1s"
+    ))
+    .await;
 }

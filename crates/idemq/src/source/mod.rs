@@ -18,6 +18,8 @@ pub mod amqp;
 pub mod jsonl;
 #[cfg(feature = "kafka")]
 pub mod kafka;
+#[cfg(feature = "nats")]
+pub mod nats;
 pub mod queue;
 #[cfg(feature = "sqs")]
 pub mod sqs;
