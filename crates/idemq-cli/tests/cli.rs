@@ -923,6 +923,7 @@ where
         format!("{prefix}attempts"),
         format!("{prefix}dead_letters"),
         format!("{prefix}schema_migrations"),
+        format!("{prefix}offsets"),
     ] {
         let _ = sqlx::raw_sql(&format!("DROP TABLE IF EXISTS {name}"))
             .execute(pool)

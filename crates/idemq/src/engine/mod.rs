@@ -15,12 +15,16 @@
 //!
 //! [`Consumer::run_batched`] runs the same steps for a whole polled batch in
 //! one transaction (SQL stores), with a savepoint per message; see [`batch`].
+//! [`Consumer::run_watermarked`] replaces the per-message inbox row by an
+//! offset watermark per partition for partitioned logs; see [`watermark`].
 
 pub mod batch;
 mod consumer;
 mod handler;
 mod run;
+pub mod watermark;
 
 pub use batch::BatchOptions;
 pub use consumer::{validate_consumer_name, Consumer, ConsumerBuilder};
 pub use handler::{handler_fn, Context, FnHandler, Handler, HandlerResult};
+pub use watermark::WatermarkOptions;

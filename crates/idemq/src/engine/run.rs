@@ -24,9 +24,30 @@ impl<S: Store> Consumer<S> {
     /// `shutdown` completes, finishes the ones in flight, and returns.
     pub async fn run_until(
         &self,
-        mut source: impl Source,
+        source: impl Source,
         shutdown: impl Future<Output = ()>,
     ) -> Result<Summary, SourceError> {
+        let consumer = self.clone();
+        self.run_with(source, shutdown, move |delivery| {
+            let consumer = consumer.clone();
+            async move { consumer.process(delivery).await }
+        })
+        .await
+    }
+
+    /// The loop of every per-delivery mode: keeps up to `concurrency`
+    /// deliveries in flight through `process`, until the source ends or
+    /// `shutdown` completes, then waits for those in flight.
+    pub(crate) async fn run_with<F, Fut>(
+        &self,
+        mut source: impl Source,
+        shutdown: impl Future<Output = ()>,
+        process: F,
+    ) -> Result<Summary, SourceError>
+    where
+        F: Fn(crate::source::Delivery) -> Fut,
+        Fut: Future<Output = crate::outcome::Outcome> + Send + 'static,
+    {
         let permits = Arc::new(Semaphore::new(self.inner.concurrency));
         let mut tasks: JoinSet<OutcomeKind> = JoinSet::new();
         let mut summary = Summary::default();
@@ -49,9 +70,9 @@ impl<S: Store> Consumer<S> {
             };
             match next {
                 Ok(Some(delivery)) => {
-                    let consumer = self.clone();
+                    let work = process(delivery);
                     tasks.spawn(async move {
-                        let outcome = consumer.process(delivery).await;
+                        let outcome = work.await;
                         drop(permit);
                         outcome.kind()
                     });

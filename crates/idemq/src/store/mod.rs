@@ -277,6 +277,73 @@ pub trait BatchStore: Store {
     ) -> Result<(), StoreError>;
 }
 
+/// The answer to an offset claim in offset-watermark mode.
+#[derive(Debug)]
+pub enum OffsetClaim<Tx> {
+    /// The offset is at or past the watermark: apply it in this transaction.
+    New(Tx),
+    /// The offset is below the watermark: it was applied before.
+    Applied {
+        /// The partition's watermark: the next offset to apply.
+        next_offset: i64,
+    },
+}
+
+/// Stores that keep an offset watermark per (consumer, topic, partition) in
+/// the same transaction as the effects (the SQL stores): the state of the
+/// offset-watermark mode, O(partitions) rather than O(messages).
+#[async_trait]
+pub trait OffsetStore: Store {
+    /// Opens a transaction, locks the partition's watermark and answers
+    /// whether `offset` is still to be applied.
+    async fn claim_offset(
+        &self,
+        consumer: &str,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+    ) -> Result<OffsetClaim<Self::Tx>, StoreError>;
+
+    /// Inside an offset claim's transaction, claims the business key too
+    /// (offset watermark combined with key dedup): `None` if the key is new,
+    /// else its record.
+    async fn claim_key_in(
+        &self,
+        tx: &mut Self::Tx,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Option<InboxRecord>, StoreError>;
+
+    /// Moves the watermark past `offset` (never back), stores the key's
+    /// result if a key was claimed, and commits.
+    async fn commit_offset(
+        &self,
+        tx: Self::Tx,
+        consumer: &str,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+        key: Option<(&ClaimRequest<'_>, Option<&serde_json::Value>)>,
+    ) -> Result<(), StoreError>;
+
+    /// Moves the watermark past `offset` in its own transaction (after a
+    /// dead letter, so a re-read does not dead-letter it again).
+    async fn advance_offset(
+        &self,
+        consumer: &str,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+    ) -> Result<(), StoreError>;
+
+    /// The partition's watermark (the next offset to apply), if it has one.
+    async fn watermark(
+        &self,
+        consumer: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Option<i64>, StoreError>;
+}
+
 /// Operations off the hot path: schema, retention, inspection, dead letters.
 #[async_trait]
 pub trait StoreAdmin: Send + Sync {

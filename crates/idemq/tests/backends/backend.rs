@@ -260,6 +260,7 @@ where
             "attempts",
             "dead_letters",
             "schema_migrations",
+            "offsets",
             "ledger",
         ] {
             self.store

@@ -195,6 +195,7 @@ impl Ledger {
             "attempts",
             "dead_letters",
             "schema_migrations",
+            "offsets",
         ] {
             let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
                 .execute(self.store.pool())

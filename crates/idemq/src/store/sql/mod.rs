@@ -543,6 +543,139 @@ macro_rules! sql_store {
         }
 
         #[async_trait::async_trait]
+        impl $crate::store::OffsetStore for $store {
+            async fn claim_offset(
+                &self,
+                consumer: &str,
+                topic: &str,
+                partition: i32,
+                offset: i64,
+            ) -> Result<$crate::store::OffsetClaim<Self::Tx>, $crate::StoreError> {
+                use sqlx::Row;
+                use $crate::store::sql::store_error;
+                let mut tx = self.pool.begin().await.map_err(store_error)?;
+                sqlx::query(&self.queries.offset_ensure)
+                    .bind(consumer)
+                    .bind(topic)
+                    .bind(partition)
+                    .bind($crate::store::now_ms())
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+                let next_offset: i64 = sqlx::query(&self.queries.offset_lock)
+                    .bind(consumer)
+                    .bind(topic)
+                    .bind(partition)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .and_then(|row| row.try_get::<i64, _>(0))
+                    .map_err(store_error)?;
+                if offset < next_offset {
+                    tx.rollback().await.map_err(store_error)?;
+                    return Ok($crate::store::OffsetClaim::Applied { next_offset });
+                }
+                Ok($crate::store::OffsetClaim::New(tx))
+            }
+
+            async fn claim_key_in(
+                &self,
+                tx: &mut Self::Tx,
+                req: &$crate::store::ClaimRequest<'_>,
+            ) -> Result<Option<$crate::store::InboxRecord>, $crate::StoreError> {
+                use $crate::store::sql::store_error;
+                let inserted = sqlx::query(&self.queries.claim)
+                    .bind(req.consumer)
+                    .bind(req.key)
+                    .bind(req.fingerprint)
+                    .bind($crate::store::now_ms())
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(store_error)?
+                    .rows_affected();
+                if inserted == 1 {
+                    return Ok(None);
+                }
+                let record = self
+                    .fetch_record(&mut *tx, &self.queries.fetch, req.consumer, req.key)
+                    .await
+                    .map_err(store_error)?;
+                record.map(Some).ok_or_else(|| {
+                    $crate::StoreError::Transient(format!(
+                        "key {:?} exists but its row is not visible yet",
+                        req.key
+                    ))
+                })
+            }
+
+            async fn commit_offset(
+                &self,
+                mut tx: Self::Tx,
+                consumer: &str,
+                topic: &str,
+                partition: i32,
+                offset: i64,
+                key: Option<(&$crate::store::ClaimRequest<'_>, Option<&serde_json::Value>)>,
+            ) -> Result<(), $crate::StoreError> {
+                use $crate::store::sql::store_error;
+                let next = offset.saturating_add(1);
+                sqlx::query(&self.queries.offset_advance)
+                    .bind(next)
+                    .bind(next)
+                    .bind($crate::store::now_ms())
+                    .bind(consumer)
+                    .bind(topic)
+                    .bind(partition)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+                if let Some((req, Some(result))) = key {
+                    sqlx::query(&self.queries.set_result)
+                        .bind(result.to_string())
+                        .bind(req.consumer)
+                        .bind(req.key)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(store_error)?;
+                }
+                tx.commit().await.map_err(store_error)
+            }
+
+            async fn advance_offset(
+                &self,
+                consumer: &str,
+                topic: &str,
+                partition: i32,
+                offset: i64,
+            ) -> Result<(), $crate::StoreError> {
+                match self.claim_offset(consumer, topic, partition, offset).await? {
+                    $crate::store::OffsetClaim::New(tx) => {
+                        self.commit_offset(tx, consumer, topic, partition, offset, None)
+                            .await
+                    }
+                    $crate::store::OffsetClaim::Applied { .. } => Ok(()),
+                }
+            }
+
+            async fn watermark(
+                &self,
+                consumer: &str,
+                topic: &str,
+                partition: i32,
+            ) -> Result<Option<i64>, $crate::StoreError> {
+                use sqlx::Row;
+                use $crate::store::sql::store_error;
+                sqlx::query(&self.queries.offset_select)
+                    .bind(consumer)
+                    .bind(topic)
+                    .bind(partition)
+                    .fetch_optional(&self.pool)
+                    .await
+                    .and_then(|row| row.map(|r| r.try_get::<i64, _>(0)).transpose())
+                    .map_err(store_error)
+            }
+        }
+
+        #[async_trait::async_trait]
         impl $crate::store::StoreAdmin for $store {
             async fn migrate(&self) -> Result<(), $crate::StoreError> {
                 use sqlx::Row;

@@ -30,6 +30,8 @@ pub struct Tables {
     pub dead_letters: String,
     /// `{prefix}schema_migrations`.
     pub migrations: String,
+    /// `{prefix}offsets`: the offset watermark per (consumer, topic, partition).
+    pub offsets: String,
 }
 
 impl Tables {
@@ -51,6 +53,7 @@ impl Tables {
             attempts: format!("{prefix}attempts"),
             dead_letters: format!("{prefix}dead_letters"),
             migrations: format!("{prefix}schema_migrations"),
+            offsets: format!("{prefix}offsets"),
         })
     }
 }
@@ -63,6 +66,7 @@ impl Default for Tables {
             attempts: "idemq_attempts".into(),
             dead_letters: "idemq_dead_letters".into(),
             migrations: "idemq_schema_migrations".into(),
+            offsets: "idemq_offsets".into(),
         }
     }
 }
@@ -116,6 +120,14 @@ pub struct Queries {
     pub migrate_unlock: Option<String>,
     /// Versioned schema steps, in order.
     pub migrations: Vec<(i64, Vec<String>)>,
+    /// Binds: consumer, topic, partition, updated_at. Creates the watermark row at 0 if absent.
+    pub offset_ensure: String,
+    /// Binds: consumer, topic, partition. Returns next_offset (locking read where needed).
+    pub offset_lock: String,
+    /// Binds: consumer, topic, partition. Returns next_offset (plain read).
+    pub offset_select: String,
+    /// Binds: next_offset, next_offset, updated_at, consumer, topic, partition. Never moves back.
+    pub offset_advance: String,
 }
 
 /// Statements whose shape depends on the batch size (batch mode).
@@ -338,7 +350,41 @@ impl Queries {
                 Dialect::MySql => Some(format!("SELECT RELEASE_LOCK('{migrations}')")),
                 _ => None,
             },
-            migrations: vec![(1, schema_v1(dialect, tables))],
+            migrations: vec![
+                (1, schema_v1(dialect, tables)),
+                (2, schema_v2(dialect, tables)),
+            ],
+            offset_ensure: match dialect {
+                Dialect::MySql => format!(
+                    "INSERT IGNORE INTO {offsets} (consumer, topic, part, next_offset, updated_at) \
+                     VALUES (?, ?, ?, 0, ?)",
+                    offsets = tables.offsets
+                ),
+                _ => format!(
+                    "INSERT INTO {offsets} (consumer, topic, part, next_offset, updated_at) \
+                     VALUES (?, ?, ?, 0, ?) ON CONFLICT DO NOTHING",
+                    offsets = tables.offsets
+                ),
+            },
+            offset_lock: match dialect {
+                Dialect::Sqlite => format!(
+                    "SELECT next_offset FROM {} WHERE consumer = ? AND topic = ? AND part = ?",
+                    tables.offsets
+                ),
+                _ => format!(
+                    "SELECT next_offset FROM {} WHERE consumer = ? AND topic = ? AND part = ? FOR UPDATE",
+                    tables.offsets
+                ),
+            },
+            offset_select: format!(
+                "SELECT next_offset FROM {} WHERE consumer = ? AND topic = ? AND part = ?",
+                tables.offsets
+            ),
+            offset_advance: format!(
+                "UPDATE {} SET next_offset = CASE WHEN next_offset > ? THEN next_offset ELSE ? END, \
+                 updated_at = ? WHERE consumer = ? AND topic = ? AND part = ?",
+                tables.offsets
+            ),
         };
         match dialect {
             Dialect::Postgres => q.numbered(),
@@ -364,6 +410,10 @@ impl Queries {
             &mut self.dead_letters_of_key,
             &mut self.dead_letter_delete,
             &mut self.record_version,
+            &mut self.offset_ensure,
+            &mut self.offset_lock,
+            &mut self.offset_select,
+            &mut self.offset_advance,
         ] {
             *sql = number_placeholders(sql);
         }
@@ -386,6 +436,29 @@ fn number_placeholders(sql: &str) -> String {
         }
     }
     out
+}
+
+/// Version 2: the offset watermarks of the offset-watermark mode.
+fn schema_v2(dialect: Dialect, tables: &Tables) -> Vec<String> {
+    let offsets = &tables.offsets;
+    let (consumer, topic, opts) = match dialect {
+        Dialect::MySql => (
+            "consumer VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL",
+            "topic VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL",
+            " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",
+        ),
+        Dialect::Postgres => (
+            "consumer VARCHAR(128) NOT NULL",
+            "topic VARCHAR(255) NOT NULL",
+            "",
+        ),
+        Dialect::Sqlite => ("consumer TEXT NOT NULL", "topic TEXT NOT NULL", ""),
+    };
+    vec![format!(
+        "CREATE TABLE IF NOT EXISTS {offsets} ({consumer}, {topic}, part INTEGER NOT NULL, \
+         next_offset BIGINT NOT NULL, updated_at BIGINT NOT NULL, \
+         PRIMARY KEY (consumer, topic, part)){opts}"
+    )]
 }
 
 fn schema_v1(dialect: Dialect, tables: &Tables) -> Vec<String> {
