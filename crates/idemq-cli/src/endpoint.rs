@@ -32,6 +32,12 @@ pub enum Endpoint {
     /// `nats://host:4222/STREAM/CONSUMER?subject=…`.
     #[cfg(feature = "nats")]
     Nats(String),
+    /// `redis-stream://host:6379/STREAM?group=NAME`.
+    #[cfg(feature = "redis-streams")]
+    RedisStream(String),
+    /// `mqtt://host:1883/TOPIC?client_id=ID`.
+    #[cfg(feature = "mqtt")]
+    Mqtt(String),
 }
 
 impl fmt::Display for Endpoint {
@@ -47,6 +53,10 @@ impl fmt::Display for Endpoint {
             Endpoint::Sqs(url) => f.write_str(url),
             #[cfg(feature = "nats")]
             Endpoint::Nats(url) => f.write_str(&crate::backend::redact(url)),
+            #[cfg(feature = "redis-streams")]
+            Endpoint::RedisStream(url) => f.write_str(&crate::backend::redact(url)),
+            #[cfg(feature = "mqtt")]
+            Endpoint::Mqtt(url) => f.write_str(&crate::backend::redact(url)),
         }
     }
 }
@@ -86,9 +96,22 @@ impl FromStr for Endpoint {
                 #[cfg(not(feature = "nats"))]
                 return Err(crate::backend::compiled_out("NATS", "nats"));
             }
+            "redis-stream" => {
+                #[cfg(feature = "redis-streams")]
+                return Ok(Endpoint::RedisStream(text.to_owned()));
+                #[cfg(not(feature = "redis-streams"))]
+                return Err(crate::backend::compiled_out("Redis Streams", "redis-streams"));
+            }
+            "mqtt" => {
+                #[cfg(feature = "mqtt")]
+                return Ok(Endpoint::Mqtt(text.to_owned()));
+                #[cfg(not(feature = "mqtt"))]
+                return Err(crate::backend::compiled_out("MQTT", "mqtt"));
+            }
             "file" => Ok(Endpoint::File(PathBuf::from(&text["file://".len()..]))),
             other => Err(format!(
-                "unknown scheme {other:?}: expected a file path, `-`, kafka://, amqp://, sqs:// or nats://"
+                "unknown scheme {other:?}: expected a file path, `-`, kafka://, amqp://, sqs://, nats://, \
+                 redis-stream:// or mqtt://"
             )),
         }
     }
@@ -165,6 +188,24 @@ impl Endpoint {
                     .with_context(|| format!("connecting to {self}"))?;
                 Ok(Box::new(source))
             }
+            #[cfg(feature = "redis-streams")]
+            Endpoint::RedisStream(url) => {
+                use idemq::source::redis_stream::{RedisStreamConfig, RedisStreamSource};
+                let config = RedisStreamConfig::from_url(url).map_err(crate::exit::usage)?;
+                let source = RedisStreamSource::connect(config)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(source))
+            }
+            #[cfg(feature = "mqtt")]
+            Endpoint::Mqtt(url) => {
+                use idemq::source::mqtt::{MqttConfig, MqttSource};
+                let config = MqttConfig::from_url(url).map_err(crate::exit::usage)?;
+                let source = MqttSource::connect(config)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(source))
+            }
         }
     }
 
@@ -182,13 +223,7 @@ impl Endpoint {
             Endpoint::Kafka(url) => {
                 use idemq::source::kafka::{KafkaConfig, KafkaPublisher};
                 // A producer belongs to no consumer group: the URL may omit it.
-                let url = if url.contains("group=") {
-                    url.clone()
-                } else if url.contains('?') {
-                    format!("{url}&group=idemq-produce")
-                } else {
-                    format!("{url}?group=idemq-produce")
-                };
+                let url = with_default_param(url, "group", "idemq-produce");
                 let config = KafkaConfig::from_url(&url).map_err(crate::exit::usage)?;
                 if let Some(partitions) = config.create_partitions {
                     idemq::source::kafka::create_topic(&config.brokers, &config.topic, partitions)
@@ -227,8 +262,44 @@ impl Endpoint {
                     .with_context(|| format!("connecting to {self}"))?;
                 Ok(Box::new(publisher))
             }
+            #[cfg(feature = "redis-streams")]
+            Endpoint::RedisStream(url) => {
+                use idemq::source::redis_stream::{RedisStreamConfig, RedisStreamPublisher};
+                // A producer belongs to no consumer group: the URL may omit it.
+                let url = with_default_param(url, "group", "idemq-produce");
+                let config = RedisStreamConfig::from_url(&url).map_err(crate::exit::usage)?;
+                let publisher = RedisStreamPublisher::connect(&config)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(publisher))
+            }
+            #[cfg(feature = "mqtt")]
+            Endpoint::Mqtt(url) => {
+                use idemq::source::mqtt::{MqttConfig, MqttPublisher};
+                let client = format!("idemq-produce-{}", std::process::id());
+                let url = with_default_param(url, "client_id", &client);
+                let config = MqttConfig::from_url(&url).map_err(crate::exit::usage)?;
+                let publisher = MqttPublisher::connect(&config)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(publisher))
+            }
         }
     }
+}
+
+/// `url` with `name=value` added to its query unless it already sets `name`.
+#[allow(dead_code)] // unused in builds without the brokers that need it
+fn with_default_param(url: &str, name: &str, value: &str) -> String {
+    let query = url.split_once('?').map_or("", |(_, q)| q);
+    if query
+        .split('&')
+        .any(|pair| pair.split('=').next() == Some(name))
+    {
+        return url.to_owned();
+    }
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{name}={value}")
 }
 
 /// `<FILE>.<consumer>.checkpoint`, with characters unsafe in file names replaced.
@@ -327,6 +398,26 @@ mod tests {
         assert_eq!(
             checkpoint_path(Path::new("in.jsonl"), "a/b c"),
             PathBuf::from("in.jsonl.a_b_c.checkpoint")
+        );
+    }
+
+    #[test]
+    fn default_params_do_not_override() {
+        assert_eq!(
+            with_default_param("k://h/t", "group", "g"),
+            "k://h/t?group=g"
+        );
+        assert_eq!(
+            with_default_param("k://h/t?a=1", "group", "g"),
+            "k://h/t?a=1&group=g"
+        );
+        assert_eq!(
+            with_default_param("k://h/t?group=x", "group", "g"),
+            "k://h/t?group=x"
+        );
+        assert_eq!(
+            with_default_param("k://h/t?mygroup=x", "group", "g"),
+            "k://h/t?mygroup=x&group=g"
         );
     }
 

@@ -1082,7 +1082,14 @@ async fn caches_in_front_of_sql_change_no_outcome() {
 /// exactly the one from the file, and a second consume finds nothing.
 #[cfg(all(
     feature = "sqlite",
-    any(feature = "amqp", feature = "kafka", feature = "sqs", feature = "nats")
+    any(
+        feature = "amqp",
+        feature = "kafka",
+        feature = "sqs",
+        feature = "nats",
+        feature = "redis-streams",
+        feature = "mqtt"
+    )
 ))]
 async fn broker_round_trip(url: &str) {
     let fx = Fixture::new();
@@ -1193,4 +1200,38 @@ async fn nats_produce_and_consume() {
         "nats://127.0.0.1:4222/{name}/{name}_c?subject={name}.payments&create=true&ack_wait=5s&wait=1s"
     ))
     .await;
+}
+
+#[cfg(all(feature = "sqlite", feature = "redis-streams"))]
+#[tokio::test]
+async fn redis_stream_produce_and_consume() {
+    let stream = format!("cli_{}", unique_suffix());
+    broker_round_trip(&format!(
+        "redis-stream://127.0.0.1:6379/{stream}?group=cli&consumer=cli-1"
+    ))
+    .await;
+}
+
+/// MQTT keeps messages only for sessions that exist: the consumer's
+/// persistent session is created first (a consume that ends when idle),
+/// then the file is published, then consumed.
+#[cfg(all(feature = "sqlite", feature = "mqtt"))]
+#[tokio::test]
+async fn mqtt_produce_and_consume() {
+    let name = format!("cli_{}", unique_suffix());
+    let url = format!("mqtt://127.0.0.1:1883/{name}/payments?client_id={name}");
+    let fx = Fixture::new();
+    let session = fx
+        .run(&[
+            "consume",
+            &url,
+            "--consumer",
+            "payments",
+            "--idle-exit",
+            "1s",
+            "--print",
+        ])
+        .expect_code(0);
+    assert!(first_line(&session).contains("processed=0"), "{session:#?}");
+    broker_round_trip(&url).await;
 }

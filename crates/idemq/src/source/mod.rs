@@ -18,9 +18,13 @@ pub mod amqp;
 pub mod jsonl;
 #[cfg(feature = "kafka")]
 pub mod kafka;
+#[cfg(feature = "mqtt")]
+pub mod mqtt;
 #[cfg(feature = "nats")]
 pub mod nats;
 pub mod queue;
+#[cfg(feature = "redis-streams")]
+pub mod redis_stream;
 #[cfg(feature = "sqs")]
 pub mod sqs;
 
