@@ -5,8 +5,11 @@
 //!    dead-lettered on its own, as in per-message mode);
 //! 2. all keys are claimed in **one statement** in a new transaction; copies
 //!    of one key inside the batch are claimed once (the first copy leads);
-//! 3. each new key's handler runs inside its own **savepoint**: a failing
-//!    message is rolled back to it and gives up its claim, the rest stay;
+//! 3. the new keys' handlers run in that transaction. If one fails, the
+//!    transaction is rolled back and the batch runs again with each handler
+//!    inside its own **savepoint**: a failing message is rolled back to it
+//!    and gives up its claim, the rest stay (a batch without failures pays
+//!    no savepoint round trips);
 //! 4. results are stored and the batch **commits once**;
 //! 5. only then are the deliveries settled: processed and duplicates acked,
 //!    failures counted (outside the transaction) and nacked or dead-lettered.
@@ -17,6 +20,9 @@
 //! batch is acked: every message is retried and the inbox sorts out what did
 //! commit. A crash anywhere leaves the whole batch committed or none of it.
 //!
+//! Up to [`concurrency`](super::ConsumerBuilder::concurrency) batches are in
+//! flight at once, each in its own transaction.
+//!
 //! Batching trades latency for throughput: one commit (one fsync) per batch
 //! instead of per message. Sources that hold back a partition's next message
 //! until the previous one is settled (Kafka, SQS FIFO groups) fill a batch
@@ -24,12 +30,16 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
 
 use super::consumer::Consumer;
 use crate::error::{HandlerError, SourceError};
 use crate::message::{DeliveryMeta, Message};
-use crate::outcome::{Outcome, Summary};
+use crate::outcome::{Outcome, OutcomeKind, Summary};
 use crate::source::{Acknowledger, Delivery, Source};
 use crate::store::{BatchClaim, BatchStore, ClaimRequest, DeadLetterReason, InboxRecord};
 
@@ -50,6 +60,14 @@ impl Default for BatchOptions {
             max_size: 100,
             max_wait: Duration::from_millis(20),
         }
+    }
+}
+
+fn count(summary: &mut Summary, done: Result<Vec<OutcomeKind>, tokio::task::JoinError>) {
+    match done {
+        Ok(kinds) => kinds.into_iter().for_each(|k| summary.record(k)),
+        // The batch's deliveries were dropped unsettled: the source redelivers them.
+        Err(e) => tracing::error!(error = %e, "a batch task failed"),
     }
 }
 
@@ -118,7 +136,20 @@ impl<S: BatchStore> Consumer<S> {
         tokio::pin!(shutdown);
         let mut stopping = false;
         let mut failure = None;
+        // Up to `concurrency` batches are in flight, each on its own connection.
+        let permits = Arc::new(Semaphore::new(self.inner.concurrency));
+        let mut running: JoinSet<Vec<OutcomeKind>> = JoinSet::new();
         while !stopping {
+            while let Some(done) = running.try_join_next() {
+                count(&mut summary, done);
+            }
+            let permit = tokio::select! {
+                permit = Arc::clone(&permits).acquire_owned() => match permit {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+                _ = &mut shutdown => break,
+            };
             let mut batch = Vec::with_capacity(max_size);
             // The first message: wait as long as it takes.
             tokio::select! {
@@ -141,9 +172,15 @@ impl<S: BatchStore> Consumer<S> {
                     _ = &mut shutdown => { stopping = true; break; }
                 }
             }
-            for outcome in self.process_batch(batch).await {
-                summary.record(outcome.kind());
-            }
+            let consumer = self.clone();
+            running.spawn(async move {
+                let outcomes = consumer.process_batch(batch).await;
+                drop(permit);
+                outcomes.iter().map(Outcome::kind).collect()
+            });
+        }
+        while let Some(done) = running.join_next().await {
+            count(&mut summary, done);
         }
         if let Some(e) = failure {
             tracing::error!(consumer = %self.inner.name, error = %e, "source failed");
@@ -189,7 +226,16 @@ impl<S: BatchStore> Consumer<S> {
             items.push(item);
         }
 
-        let led = self.run_leaders(&mut items, &leaders).await;
+        // First without savepoints (two round trips fewer per message); if a
+        // handler fails, the whole transaction is rolled back and the batch
+        // runs again with a savepoint per message.
+        let led = match self.run_leaders(&mut items, &leaders, false).await {
+            Some(led) => led,
+            None => self
+                .run_leaders(&mut items, &leaders, true)
+                .await
+                .unwrap_or_else(|| leaders.iter().map(|_| Led::Failed).collect()),
+        };
 
         for (index, leader, fingerprint) in followers {
             let key = leaders[leader].1.clone();
@@ -244,19 +290,28 @@ impl<S: BatchStore> Consumer<S> {
         }
     }
 
-    /// Claims the leaders in one statement, runs their handlers in
-    /// savepoints, commits, and sets the leaders' outcomes.
+    /// Claims the leaders in one statement, runs their handlers (each in a
+    /// savepoint when `careful`), commits, and sets the leaders' outcomes.
+    /// Without `careful`, the first failing handler rolls the whole batch
+    /// back and `None` asks for a careful run.
     async fn run_leaders(
         &self,
         items: &mut [Item],
         leaders: &[(usize, String, String)],
-    ) -> Vec<Led> {
+        careful: bool,
+    ) -> Option<Vec<Led>> {
         let inner = &*self.inner;
         let consumer = inner.name.as_str();
         let mut led: Vec<Led> = leaders.iter().map(|_| Led::Failed).collect();
         if leaders.is_empty() {
-            return led;
+            return Some(led);
         }
+        // A message past its delivery limit is skipped inside the batch,
+        // which needs its savepoint.
+        let careful = careful
+            || leaders
+                .iter()
+                .any(|(index, _, _)| self.over_delivery_limit(&items[*index].meta).is_some());
         let claims: Vec<(&str, &str)> = leaders
             .iter()
             .map(|(_, key, fp)| (key.as_str(), fp.as_str()))
@@ -268,7 +323,7 @@ impl<S: BatchStore> Consumer<S> {
                     items[*index].outcome =
                         Some(self.busy(Some(key.clone()), format!("claim failed: {e}")));
                 }
-                return led;
+                return Some(led);
             }
         };
 
@@ -304,9 +359,11 @@ impl<S: BatchStore> Consumer<S> {
                 fingerprint,
                 lease: inner.lease,
             };
-            if let Err(e) = inner.store.savepoint(&mut tx).await {
-                broken = Some(format!("savepoint failed: {e}"));
-                continue;
+            if careful {
+                if let Err(e) = inner.store.savepoint(&mut tx).await {
+                    broken = Some(format!("savepoint failed: {e}"));
+                    continue;
+                }
             }
             let result = match self.over_delivery_limit(&item.meta) {
                 Some(error) => {
@@ -319,6 +376,10 @@ impl<S: BatchStore> Consumer<S> {
                     .map_err(Some),
             };
             match result {
+                Ok(value) if !careful => {
+                    led[n] = Led::Processed(value);
+                    processed.push(n);
+                }
                 Ok(value) => match inner.store.release_savepoint(&mut tx).await {
                     Ok(()) => {
                         led[n] = Led::Processed(value);
@@ -326,6 +387,12 @@ impl<S: BatchStore> Consumer<S> {
                     }
                     Err(e) => broken = Some(format!("releasing the savepoint failed: {e}")),
                 },
+                Err(_) if !careful => {
+                    if let Err(e) = inner.store.rollback(tx).await {
+                        tracing::warn!(consumer, error = %e, "rollback failed");
+                    }
+                    return None;
+                }
                 Err(error) => {
                     if let Err(e) = inner.store.rollback_message(&mut tx, consumer, key).await {
                         broken = Some(format!("rolling back to the savepoint failed: {e}"));
@@ -378,7 +445,7 @@ impl<S: BatchStore> Consumer<S> {
                     items[*index].outcome = Some(self.busy(Some(key.clone()), reason.clone()));
                 }
             }
-            return led;
+            return Some(led);
         }
         for &n in &processed {
             let (index, key, _) = &leaders[n];
@@ -421,6 +488,6 @@ impl<S: BatchStore> Consumer<S> {
                 ));
             }
         }
-        led
+        Some(led)
     }
 }
