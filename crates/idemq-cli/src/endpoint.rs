@@ -38,6 +38,9 @@ pub enum Endpoint {
     /// `mqtt://host:1883/TOPIC?client_id=ID`.
     #[cfg(feature = "mqtt")]
     Mqtt(String),
+    /// `rocketmq://namesrv:9876/TOPIC?group=NAME`.
+    #[cfg(feature = "rocketmq")]
+    RocketMq(String),
 }
 
 impl fmt::Display for Endpoint {
@@ -57,6 +60,8 @@ impl fmt::Display for Endpoint {
             Endpoint::RedisStream(url) => f.write_str(&crate::backend::redact(url)),
             #[cfg(feature = "mqtt")]
             Endpoint::Mqtt(url) => f.write_str(&crate::backend::redact(url)),
+            #[cfg(feature = "rocketmq")]
+            Endpoint::RocketMq(url) => f.write_str(url),
         }
     }
 }
@@ -108,10 +113,16 @@ impl FromStr for Endpoint {
                 #[cfg(not(feature = "mqtt"))]
                 return Err(crate::backend::compiled_out("MQTT", "mqtt"));
             }
+            "rocketmq" => {
+                #[cfg(feature = "rocketmq")]
+                return Ok(Endpoint::RocketMq(text.to_owned()));
+                #[cfg(not(feature = "rocketmq"))]
+                return Err(crate::backend::compiled_out("RocketMQ", "rocketmq"));
+            }
             "file" => Ok(Endpoint::File(PathBuf::from(&text["file://".len()..]))),
             other => Err(format!(
                 "unknown scheme {other:?}: expected a file path, `-`, kafka://, amqp://, sqs://, nats://, \
-                 redis-stream:// or mqtt://"
+                 redis-stream://, mqtt:// or rocketmq://"
             )),
         }
     }
@@ -119,12 +130,15 @@ impl FromStr for Endpoint {
 
 impl Endpoint {
     /// The key spec `consume` uses when `--key` is not given: Kafka's
-    /// `event_id` header, else the record key; elsewhere the transport key,
-    /// else the message id.
+    /// `event_id` header, else the record key; RocketMQ's message keys, else
+    /// the producer's unique id; elsewhere the transport key, else the
+    /// message id.
     pub fn default_key(&self) -> KeySpec {
         match self {
             #[cfg(feature = "kafka")]
             Endpoint::Kafka(_) => idemq::source::kafka::default_key_spec(),
+            #[cfg(feature = "rocketmq")]
+            Endpoint::RocketMq(_) => idemq::source::rocketmq::default_key_spec(),
             _ => KeySpec::transport_key().or(KeySpec::id()),
         }
     }
@@ -206,6 +220,15 @@ impl Endpoint {
                     .with_context(|| format!("connecting to {self}"))?;
                 Ok(Box::new(source))
             }
+            #[cfg(feature = "rocketmq")]
+            Endpoint::RocketMq(url) => {
+                use idemq::source::rocketmq::{RocketMqConfig, RocketMqSource};
+                let config = RocketMqConfig::from_url(url).map_err(crate::exit::usage)?;
+                let source = RocketMqSource::connect(config)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(source))
+            }
         }
     }
 
@@ -280,6 +303,14 @@ impl Endpoint {
                 let url = with_default_param(url, "client_id", &client);
                 let config = MqttConfig::from_url(&url).map_err(crate::exit::usage)?;
                 let publisher = MqttPublisher::connect(&config)
+                    .await
+                    .with_context(|| format!("connecting to {self}"))?;
+                Ok(Box::new(publisher))
+            }
+            #[cfg(feature = "rocketmq")]
+            Endpoint::RocketMq(url) => {
+                use idemq::source::rocketmq::RocketMqPublisher;
+                let publisher = RocketMqPublisher::from_url(url)
                     .await
                     .with_context(|| format!("connecting to {self}"))?;
                 Ok(Box::new(publisher))

@@ -1088,7 +1088,8 @@ async fn caches_in_front_of_sql_change_no_outcome() {
         feature = "sqs",
         feature = "nats",
         feature = "redis-streams",
-        feature = "mqtt"
+        feature = "mqtt",
+        feature = "rocketmq"
     )
 ))]
 async fn broker_round_trip(url: &str) {
@@ -1234,4 +1235,11 @@ async fn mqtt_produce_and_consume() {
         .expect_code(0);
     assert!(first_line(&session).contains("processed=0"), "{session:#?}");
     broker_round_trip(&url).await;
+}
+
+#[cfg(all(feature = "sqlite", feature = "rocketmq"))]
+#[tokio::test]
+async fn rocketmq_produce_and_consume() {
+    let name = format!("cli_{}", unique_suffix());
+    broker_round_trip(&format!("rocketmq://127.0.0.1:9876/{name}?group={name}_g")).await;
 }

@@ -158,4 +158,8 @@ impl Source for IdleExit {
             }
         }
     }
+
+    async fn close(&mut self) {
+        self.inner.close().await
+    }
 }

@@ -182,6 +182,7 @@ impl<S: BatchStore> Consumer<S> {
         while let Some(done) = running.join_next().await {
             count(&mut summary, done);
         }
+        source.close().await;
         if let Some(e) = failure {
             tracing::error!(consumer = %self.inner.name, error = %e, "source failed");
             return Err(e);

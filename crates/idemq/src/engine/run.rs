@@ -88,6 +88,7 @@ impl<S: Store> Consumer<S> {
         while let Some(done) = tasks.join_next().await {
             count(&mut summary, done);
         }
+        source.close().await;
         match failure {
             Some(e) => Err(e),
             None => Ok(summary),

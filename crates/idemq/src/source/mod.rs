@@ -25,6 +25,8 @@ pub mod nats;
 pub mod queue;
 #[cfg(feature = "redis-streams")]
 pub mod redis_stream;
+#[cfg(feature = "rocketmq")]
+pub mod rocketmq;
 #[cfg(feature = "sqs")]
 pub mod sqs;
 
@@ -119,11 +121,21 @@ pub trait Source: Send {
     /// its end with every delivery settled). Sources of endless streams never
     /// return `None`.
     async fn next(&mut self) -> Result<Option<Delivery>, SourceError>;
+
+    /// Shuts the source down after a run, once every delivery was settled:
+    /// sources whose client flushes acknowledgements or offsets on shutdown
+    /// do it here, so that a process exiting right after the run loses no
+    /// settlement. The engine's run loops call it; the default does nothing.
+    async fn close(&mut self) {}
 }
 
 #[async_trait]
 impl<S: Source + ?Sized> Source for Box<S> {
     async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
         (**self).next().await
+    }
+
+    async fn close(&mut self) {
+        (**self).close().await
     }
 }

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Makes sure a RocketMQ name server answers on 127.0.0.1:9876 and a broker on
+# 127.0.0.1:10911 for the `rocketmq` tests: installs rocketmq-namesrv and
+# rocketmq-broker 1.0.0 with cargo once (about 12 minutes together; they need
+# Rust >= 1.95) unless both are already on PATH or in ~/.cargo/bin, then
+# starts them in the background in ${IDEMQ_TOOLS:-$HOME/.idemq-tools}/rocketmq
+# unless their ports already answer. Idempotent.
+# Topics are auto-created by the broker (4 queues).
+set -euo pipefail
+
+TOOLS="${IDEMQ_TOOLS:-$HOME/.idemq-tools}"
+RUN="$TOOLS/rocketmq"
+HOST=127.0.0.1
+NAMESRV_PORT=9876
+BROKER_PORT=10911
+HA_PORT=10912
+TIMEOUT_S=90
+
+listening() {
+  (exec 3<>"/dev/tcp/$HOST/$1") >/dev/null 2>&1
+}
+
+find_bin() {
+  local bin
+  bin="$(command -v "$1" || true)"
+  if [ -z "$bin" ] && [ -x "$HOME/.cargo/bin/$1" ]; then
+    bin="$HOME/.cargo/bin/$1"
+  fi
+  echo "$bin"
+}
+
+if listening "$NAMESRV_PORT" && listening "$BROKER_PORT"; then
+  echo "rocketmq: the name server ($HOST:$NAMESRV_PORT) and the broker ($HOST:$BROKER_PORT) already answer"
+  exit 0
+fi
+
+NAMESRV="$(find_bin rocketmq-namesrv-rust)"
+BROKER="$(find_bin rocketmq-broker-rust)"
+if [ -z "$NAMESRV" ] || [ -z "$BROKER" ]; then
+  echo "rocketmq: installing rocketmq-namesrv and rocketmq-broker 1.0.0 with cargo (about 12 minutes, once)"
+  export CARGO_TARGET_DIR=/tmp/rocketmq-target
+  cargo install rocketmq-namesrv --version 1.0.0 --locked
+  cargo install rocketmq-broker --version 1.0.0 --locked
+  NAMESRV="$(find_bin rocketmq-namesrv-rust)"
+  BROKER="$(find_bin rocketmq-broker-rust)"
+  if [ -z "$NAMESRV" ] || [ -z "$BROKER" ]; then
+    echo "rocketmq: the install did not produce rocketmq-namesrv-rust and rocketmq-broker-rust" >&2
+    exit 1
+  fi
+fi
+
+mkdir -p "$RUN/conf" "$RUN/store" "$RUN/logs"
+cat >"$RUN/conf/broker.toml" <<EOF
+[broker]
+namesrvAddr = "$HOST:$NAMESRV_PORT"
+brokerIp1 = "$HOST"
+listenPort = $BROKER_PORT
+storePathRootDir = "$RUN/store"
+[broker.brokerServerConfig]
+bindAddress = "$HOST"
+[broker.brokerIdentity]
+brokerName = "broker-a"
+brokerClusterName = "DefaultCluster"
+brokerId = 0
+[store]
+storeType = "LocalFile"
+brokerRole = "ASYNC_MASTER"
+storePathRootDir = "$RUN/store"
+haListenAddress = "$HOST"
+haListenPort = $HA_PORT
+EOF
+
+NAMESRV_LOG="$RUN/logs/namesrv.log"
+NAMESRV_PID="$RUN/namesrv.pid"
+BROKER_LOG="$RUN/logs/broker.log"
+BROKER_PID="$RUN/broker.pid"
+
+alive() {
+  [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
+}
+
+fail() {
+  echo "rocketmq: $1" >&2
+  echo "--- the end of $NAMESRV_LOG:" >&2
+  tail -n 30 "$NAMESRV_LOG" >&2 2>/dev/null || true
+  echo "--- the end of $BROKER_LOG:" >&2
+  tail -n 30 "$BROKER_LOG" >&2 2>/dev/null || true
+  exit 1
+}
+
+# Waits until $1 answers, as long as the process in pid file $2 lives.
+wait_for() {
+  local port="$1" pidfile="$2" deadline=$((SECONDS + TIMEOUT_S))
+  while [ "$SECONDS" -lt "$deadline" ]; do
+    if listening "$port"; then
+      return 0
+    fi
+    if ! alive "$pidfile"; then
+      return 1
+    fi
+    sleep 0.5
+  done
+  return 1
+}
+
+if listening "$NAMESRV_PORT"; then
+  echo "rocketmq: the name server already answers on $HOST:$NAMESRV_PORT"
+else
+  if alive "$NAMESRV_PID"; then
+    echo "rocketmq: the name server (pid $(cat "$NAMESRV_PID")) is running; waiting for its port"
+  else
+    echo "rocketmq: starting the name server on $HOST:$NAMESRV_PORT (state and logs in $RUN)"
+    (
+      cd "$RUN"
+      ROCKETMQ_HOME="$RUN" ROCKETMQ_SECURITY_PROFILE=development-insecure-loopback \
+        setsid nohup "$NAMESRV" --rocketmqHome "$RUN" --listenPort "$NAMESRV_PORT" --bindAddress "$HOST" \
+        >>"$NAMESRV_LOG" 2>&1 </dev/null &
+      echo $! >"$NAMESRV_PID"
+    )
+  fi
+  wait_for "$NAMESRV_PORT" "$NAMESRV_PID" || fail "the name server does not listen on $HOST:$NAMESRV_PORT"
+fi
+
+REGISTER_WAIT=0
+if listening "$BROKER_PORT"; then
+  echo "rocketmq: the broker already answers on $HOST:$BROKER_PORT"
+else
+  if alive "$BROKER_PID"; then
+    echo "rocketmq: the broker (pid $(cat "$BROKER_PID")) is running; waiting for its port"
+  else
+    echo "rocketmq: starting the broker on $HOST:$BROKER_PORT"
+    (
+      cd "$RUN"
+      ROCKETMQ_HOME="$RUN" setsid nohup "$BROKER" -c "$RUN/conf/broker.toml" -n "$HOST:$NAMESRV_PORT" \
+        >>"$BROKER_LOG" 2>&1 </dev/null &
+      echo $! >"$BROKER_PID"
+    )
+  fi
+  wait_for "$BROKER_PORT" "$BROKER_PID" || fail "the broker does not listen on $HOST:$BROKER_PORT"
+  REGISTER_WAIT=5
+fi
+
+# The broker registers with the name server right after it starts listening
+# (and every 30 s after); give the first registration a moment.
+sleep "$REGISTER_WAIT"
+if ! listening "$NAMESRV_PORT" || ! listening "$BROKER_PORT"; then
+  fail "a server stopped answering"
+fi
+echo "rocketmq: name server $HOST:$NAMESRV_PORT and broker $HOST:$BROKER_PORT answer"
