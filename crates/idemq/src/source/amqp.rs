@@ -107,6 +107,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
+use super::url::BrokerUrl;
 use super::{Acknowledger, Delivery, Publisher, Source};
 use crate::error::{InputError, SourceError};
 use crate::message::{DeliveryMeta, Headers, Message};
@@ -201,28 +202,18 @@ impl AmqpConfig {
     /// `/`, `prefetch` to 32 and `queue_type` to `classic`; `queue` is
     /// required. Unknown parameters are an error.
     pub fn from_url(url: &str) -> Result<Self, SourceError> {
-        let bad = |why: String| SourceError::Config(format!("AMQP URL: {why}"));
-        let rest = if let Some(rest) = url.strip_prefix("amqp://") {
-            rest
-        } else if url.starts_with("amqps://") {
-            return Err(bad("amqps (TLS) is not supported by this build".into()));
-        } else {
-            return Err(bad("must start with amqp://".into()));
-        };
-        let (before_query, query) = rest.split_once('?').unwrap_or((rest, ""));
-        let (authority, path) = before_query.split_once('/').unwrap_or((before_query, ""));
-        let (userinfo, hostport) = match authority.rsplit_once('@') {
-            Some((u, h)) => (Some(u), h),
-            None => (None, authority),
-        };
-        let mut user = AMQPUserInfo::default();
-        if let Some(userinfo) = userinfo {
-            let (name, pass) = userinfo.split_once(':').unwrap_or((userinfo, ""));
-            user.username = percent_decode(name).map_err(bad)?;
-            user.password = percent_decode(pass).map_err(bad)?;
+        if url.starts_with("amqps://") {
+            return Err(BrokerUrl::parse("AMQP", "amqps", url)?
+                .error("amqps (TLS) is not supported by this build"));
         }
-        let (host, port) = split_host_port(hostport).map_err(bad)?;
-        let mut vhost = percent_decode(path).map_err(bad)?;
+        let u = BrokerUrl::parse("AMQP", "amqp", url)?;
+        let mut user = AMQPUserInfo::default();
+        if let Some((name, pass)) = &u.userinfo {
+            user.username.clone_from(name);
+            user.password.clone_from(pass);
+        }
+        let (host, port) = u.host_port(5672)?;
+        let mut vhost = u.decoded_path()?;
         if vhost.is_empty() {
             vhost = "/".into();
         }
@@ -231,41 +222,29 @@ impl AmqpConfig {
         let mut prefetch = 32u16;
         let mut queue_type = QueueType::Classic;
         let mut conn = AMQPQueryString::default();
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            let v = percent_decode(v).map_err(bad)?;
-            let int = |what: &str| format!("{k}={v:?} is not a valid {what}");
-            match k {
-                "queue" => queue = Some(v),
+        for p in u.params() {
+            match p.name.as_str() {
+                "queue" => queue = Some(p.value),
                 "prefetch" => {
-                    prefetch = v.parse().map_err(|_| bad(int("count 1..=65535")))?;
+                    prefetch = p.count()?;
                     if prefetch == 0 {
-                        return Err(bad("prefetch must be at least 1".into()));
+                        return Err(p.error("prefetch must be at least 1"));
                     }
                 }
                 "queue_type" => {
-                    queue_type = match v.as_str() {
-                        "classic" => QueueType::Classic,
+                    queue_type = match p.choice(&["classic", "quorum"])? {
                         "quorum" => QueueType::Quorum,
-                        _ => {
-                            return Err(bad(format!(
-                                "queue_type must be classic or quorum, not {v:?}"
-                            )))
-                        }
+                        _ => QueueType::Classic,
                     }
                 }
-                "heartbeat" => conn.heartbeat = Some(v.parse().map_err(|_| bad(int("number")))?),
-                "connection_timeout" => {
-                    conn.connection_timeout = Some(v.parse().map_err(|_| bad(int("number")))?)
-                }
-                "frame_max" => conn.frame_max = Some(v.parse().map_err(|_| bad(int("number")))?),
-                "channel_max" => {
-                    conn.channel_max = Some(v.parse().map_err(|_| bad(int("number")))?)
-                }
-                other => return Err(bad(format!("unknown parameter {other:?}"))),
+                "heartbeat" => conn.heartbeat = Some(p.count()?),
+                "connection_timeout" => conn.connection_timeout = Some(p.count()?),
+                "frame_max" => conn.frame_max = Some(p.count()?),
+                "channel_max" => conn.channel_max = Some(p.count()?),
+                _ => return Err(p.unknown()),
             }
         }
-        let queue = queue.ok_or_else(|| bad("the queue=NAME parameter is required".into()))?;
+        let queue = queue.ok_or_else(|| u.missing("queue"))?;
         let uri = AMQPUri {
             scheme: AMQPScheme::AMQP,
             authority: AMQPAuthority {
@@ -400,51 +379,6 @@ fn bucket(delay: Duration) -> Duration {
         .copied()
         .find(|d| *d >= delay)
         .unwrap_or(RETRY_DELAYS[RETRY_DELAYS.len() - 1])
-}
-
-fn split_host_port(hostport: &str) -> Result<(String, u16), String> {
-    let (host, port) = if let Some(rest) = hostport.strip_prefix('[') {
-        let (host, after) = rest
-            .split_once(']')
-            .ok_or_else(|| format!("unclosed '[' in {hostport:?}"))?;
-        (host, after.strip_prefix(':'))
-    } else {
-        match hostport.rsplit_once(':') {
-            Some((h, p)) => (h, Some(p)),
-            None => (hostport, None),
-        }
-    };
-    if host.is_empty() {
-        return Err("the host is missing".into());
-    }
-    let port = match port {
-        Some(p) => p
-            .parse()
-            .map_err(|_| format!("{p:?} is not a valid port"))?,
-        None => 5672,
-    };
-    Ok((percent_decode(host)?, port))
-}
-
-fn percent_decode(s: &str) -> Result<String, String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes
-                .get(i + 1..i + 3)
-                .and_then(|h| std::str::from_utf8(h).ok())
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| format!("bad percent-encoding in {s:?}"))?;
-            out.push(hex);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| format!("{s:?} does not decode to UTF-8"))
 }
 
 fn short(s: &str) -> Result<ShortString, SourceError> {

@@ -85,6 +85,7 @@ use rdkafka::util::Timeout;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::sync::Notify;
 
+use super::url::BrokerUrl;
 use super::{Acknowledger, Delivery, Publisher, Source};
 use crate::error::{InputError, SourceError};
 use crate::key::KeySpec;
@@ -155,73 +156,48 @@ impl KafkaConfig {
     /// Parses `kafka://host:port[,host:port]/topic?group=NAME[&…]`.
     ///
     /// Query parameters: `group` (required), `offset_reset` (`earliest` or
-    /// `latest`), `session_timeout_ms`, `revoke_grace_ms`, `max_buffered`,
-    /// `create_partitions`,
+    /// `latest`), `session_timeout_ms`, `revoke_grace_ms` (whole
+    /// milliseconds, as the names say), `max_buffered`, `create_partitions`,
     /// `dead_letter_topic`; any parameter whose name contains a dot is passed
-    /// to librdkafka as is (e.g. `heartbeat.interval.ms=500`).
+    /// to librdkafka as is (e.g. `heartbeat.interval.ms=500`). Values may be
+    /// percent-encoded; the common URL rules are in `source::url`.
     pub fn from_url(url: &str) -> Result<Self, SourceError> {
-        let bad = |why: &str| SourceError::Config(format!("invalid Kafka URL {url:?}: {why}"));
-        let rest = url
-            .strip_prefix("kafka://")
-            .ok_or_else(|| bad("it must start with kafka://"))?;
-        let (location, query) = match rest.split_once('?') {
-            Some((l, q)) => (l, q),
-            None => (rest, ""),
-        };
-        let (brokers, topic) = location
-            .split_once('/')
-            .ok_or_else(|| bad("no topic: expected kafka://host:port/topic?group=NAME"))?;
-        if brokers.is_empty() || brokers.split(',').any(|b| b.trim().is_empty()) {
-            return Err(bad("no broker address"));
-        }
-        validate_topic(topic).map_err(|why| bad(&why))?;
+        let u = BrokerUrl::parse("Kafka", "kafka", url)?;
+        let topic = u.require_path("topic")?;
+        let brokers = u.host_list()?;
+        validate_topic(topic).map_err(|why| u.error(why))?;
         let mut group = None;
         let mut config = KafkaConfig::new(brokers, topic, "");
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (name, value) = pair
-                .split_once('=')
-                .ok_or_else(|| bad(&format!("parameter {pair:?} has no value")))?;
-            let number = |v: &str| {
-                v.parse::<u64>()
-                    .map_err(|_| bad(&format!("{name} must be a whole number, not {v:?}")))
-            };
-            match name {
-                "group" => group = Some(value.to_owned()),
+        for p in u.params() {
+            match p.name.as_str() {
+                "group" => group = p.non_empty(),
                 "offset_reset" | "auto.offset.reset" => {
-                    if !matches!(value, "earliest" | "latest") {
-                        return Err(bad("offset_reset must be earliest or latest"));
-                    }
-                    config.auto_offset_reset = value.to_owned();
+                    config.auto_offset_reset = p.choice(&["earliest", "latest"])?.to_owned();
                 }
-                "session_timeout_ms" => {
-                    config.session_timeout = Duration::from_millis(number(value)?)
-                }
-                "revoke_grace_ms" => config.revoke_grace = Duration::from_millis(number(value)?),
+                "session_timeout_ms" => config.session_timeout = Duration::from_millis(p.count()?),
+                "revoke_grace_ms" => config.revoke_grace = Duration::from_millis(p.count()?),
                 "create_partitions" => {
-                    let n = i32::try_from(number(value)?)
-                        .ok()
-                        .filter(|n| *n > 0)
-                        .ok_or_else(|| bad("create_partitions must be between 1 and 2^31-1"))?;
+                    let n =
+                        p.count::<i32>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                            p.error("create_partitions must be between 1 and 2^31-1")
+                        })?;
                     config.create_partitions = Some(n);
                 }
-                "max_buffered" => {
-                    config.max_buffered = usize::try_from(number(value)?)
-                        .map_err(|_| bad("max_buffered is too large"))?
-                }
+                "max_buffered" => config.max_buffered = p.count()?,
                 "dead_letter_topic" => {
-                    validate_topic(value).map_err(|why| bad(&why))?;
-                    config.dead_letter_topic = Some(value.to_owned());
+                    validate_topic(&p.value).map_err(|why| p.error(why))?;
+                    config.dead_letter_topic = Some(p.value);
                 }
-                other if other.contains('.') => {
-                    config.settings.push((other.to_owned(), value.to_owned()))
+                name if name.contains('.') => {
+                    if p.value.is_empty() {
+                        return Err(p.error(format!("parameter {name:?} has no value")));
+                    }
+                    config.settings.push((p.name, p.value))
                 }
-                other => return Err(bad(&format!("unknown parameter {other:?}"))),
+                _ => return Err(p.unknown()),
             }
         }
-        match group {
-            Some(g) if !g.is_empty() => config.group = g,
-            _ => return Err(bad("the group parameter is required (?group=NAME)")),
-        }
+        config.group = group.ok_or_else(|| u.missing("group"))?;
         Ok(config)
     }
 

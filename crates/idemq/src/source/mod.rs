@@ -29,6 +29,7 @@ pub mod redis_stream;
 pub mod rocketmq;
 #[cfg(feature = "sqs")]
 pub mod sqs;
+mod url;
 
 /// Settles one delivery with its source.
 #[async_trait]

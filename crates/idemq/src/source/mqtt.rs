@@ -93,6 +93,7 @@ use rumqttc::Outgoing;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
+use super::url::{Bare, BrokerUrl};
 use super::{Acknowledger, Delivery, Publisher, Source};
 use crate::error::SourceError;
 use crate::message::{DeliveryMeta, Message};
@@ -183,54 +184,25 @@ impl MqttConfig {
     /// `client_id` is required; only `qos=1` is supported. Durations take a
     /// unit (`ms`, `s`, `m`, `h`; a bare number is seconds).
     pub fn from_url(url: &str) -> Result<Self, SourceError> {
-        let bad = |why: &str| config_error(format!("invalid MQTT URL {url:?}: {why}"));
-        let rest = url
-            .strip_prefix("mqtt://")
-            .ok_or_else(|| bad("it must start with mqtt://"))?;
-        let (location, query) = rest.split_once('?').unwrap_or((rest, ""));
-        let (authority, topic) = location
-            .split_once('/')
-            .ok_or_else(|| bad("no topic: expected mqtt://host:1883/topic?client_id=ID"))?;
-        let (userinfo, hostport) = match authority.rsplit_once('@') {
-            Some((u, h)) => (Some(u), h),
-            None => (None, authority),
-        };
-        let (host, port) = match hostport.rsplit_once(':') {
-            Some((h, p)) => (
-                h,
-                p.parse::<u16>()
-                    .map_err(|_| bad(&format!("bad port {p:?}")))?,
-            ),
-            None => (hostport, 1883),
-        };
-        if host.is_empty() {
-            return Err(bad("no host"));
-        }
-        let mut config = Self::new(host, port, percent_decode(topic)?, "");
-        if let Some(userinfo) = userinfo {
-            let (user, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
-            config.credentials = Some((percent_decode(user)?, percent_decode(password)?));
-        }
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (name, value) = pair
-                .split_once('=')
-                .ok_or_else(|| bad(&format!("parameter {pair:?} has no value")))?;
-            let value = percent_decode(value)?;
-            match name {
-                "client_id" => config.client_id = value,
+        let u = BrokerUrl::parse("MQTT", "mqtt", url)?;
+        u.require_path("topic")?;
+        let (host, port) = u.host_port(1883)?;
+        let mut config = Self::new(host, port, u.decoded_path()?, "");
+        config.credentials.clone_from(&u.userinfo);
+        for p in u.params() {
+            match p.name.as_str() {
+                "client_id" => config.client_id = p.value,
                 "qos" => {
-                    if value != "1" {
-                        return Err(bad("only qos=1 is supported"));
-                    }
+                    p.choice(&["1"])?;
                 }
-                "keep_alive" => config.keep_alive = parse_duration(name, &value)?,
-                "session_expiry" => config.session_expiry = parse_duration(name, &value)?,
-                "dead_letter_topic" => config.dead_letter_topic = Some(value),
-                other => return Err(bad(&format!("unknown parameter {other:?}"))),
+                "keep_alive" => config.keep_alive = p.duration(Bare::Seconds)?,
+                "session_expiry" => config.session_expiry = p.duration(Bare::Seconds)?,
+                "dead_letter_topic" => config.dead_letter_topic = Some(p.value),
+                _ => return Err(p.unknown()),
             }
         }
         if config.client_id.is_empty() {
-            return Err(bad("the client_id parameter is required (?client_id=ID)"));
+            return Err(u.missing("client_id"));
         }
         config.validate()?;
         Ok(config)
@@ -306,48 +278,6 @@ fn validate_publish_topic(topic: &str) -> Result<(), SourceError> {
         )));
     }
     Ok(())
-}
-
-fn parse_duration(name: &str, value: &str) -> Result<Duration, SourceError> {
-    let bad = || {
-        config_error(format!(
-            "{name} must be a duration like 30s or 1h, not {value:?}"
-        ))
-    };
-    let digits = value
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(value.len());
-    let (number, unit) = value.split_at(digits);
-    let n: u64 = number.parse().map_err(|_| bad())?;
-    let millis = match unit {
-        "ms" => Some(n),
-        "" | "s" => n.checked_mul(1000),
-        "m" => n.checked_mul(60_000),
-        "h" => n.checked_mul(3_600_000),
-        _ => None,
-    }
-    .ok_or_else(bad)?;
-    Ok(Duration::from_millis(millis))
-}
-
-fn percent_decode(text: &str) -> Result<String, SourceError> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let byte = text
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| config_error(format!("bad percent-encoding in {text:?}")))?;
-            out.push(byte);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| config_error(format!("{text:?} is not UTF-8")))
 }
 
 // ---------------------------------------------------------------------------

@@ -110,6 +110,7 @@ use futures_util::StreamExt;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
+use super::url::{redact, Bare, BrokerUrl};
 use super::{Acknowledger, Delivery, Publisher, Source};
 use crate::error::SourceError;
 use crate::message::{DeliveryMeta, Message};
@@ -179,17 +180,6 @@ impl std::fmt::Debug for NatsConfig {
     }
 }
 
-/// The server URL without its password or token.
-fn redact(server: &str) -> String {
-    match server.split_once("://") {
-        Some((scheme, rest)) => match rest.split_once('@') {
-            Some((_, host)) => format!("{scheme}://<credentials>@{host}"),
-            None => server.to_owned(),
-        },
-        None => server.to_owned(),
-    }
-}
-
 impl NatsConfig {
     /// Defaults for `stream` and `consumer` on `nats://127.0.0.1:4222`: no
     /// subject, 30 s `ack_wait`, unlimited deliveries, 10 messages per pull
@@ -218,70 +208,38 @@ impl NatsConfig {
     /// a plain `>` works too). Unknown parameters and out-of-range values are
     /// a [`SourceError::Config`].
     pub fn from_url(url: &str) -> Result<Self, SourceError> {
-        let rest = url
-            .strip_prefix("nats://")
-            .ok_or_else(|| config_error(format!("{url:?} is not a nats:// URL")))?;
-        let (rest, query) = match rest.split_once('?') {
-            Some((r, q)) => (r, Some(q)),
-            None => (rest, None),
-        };
-        let (authority, path) = rest.split_once('/').ok_or_else(|| {
-            config_error(
-                "a nats:// URL needs the stream and the consumer: nats://host:4222/STREAM/CONSUMER",
-            )
-        })?;
-        if authority.is_empty() {
-            return Err(config_error("the nats:// URL has no host"));
-        }
-        let mut parts = path.trim_end_matches('/').split('/');
-        let (Some(stream), Some(consumer), None) = (parts.next(), parts.next(), parts.next())
-        else {
-            return Err(config_error(format!(
-                "the path {path:?} must be STREAM/CONSUMER"
-            )));
-        };
-        let mut config = NatsConfig::new(percent_decode(stream)?, percent_decode(consumer)?);
-        config.server = format!("nats://{authority}");
-        for pair in query.into_iter().flat_map(|q| q.split('&')) {
-            if pair.is_empty() {
-                continue;
-            }
-            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-            let value = percent_decode(value)?;
-            match name {
-                "subject" => config.subject = Some(value).filter(|v| !v.is_empty()),
-                "ack_wait" => config.ack_wait = parse_duration(name, &value)?,
+        let u = BrokerUrl::parse("NATS", "nats", url)?;
+        u.host_list()?;
+        let path = u.require_path("STREAM/CONSUMER")?;
+        let [stream, consumer]: [String; 2] = u
+            .segments()?
+            .try_into()
+            .map_err(|_| u.error(format!("the path {path:?} must be STREAM/CONSUMER")))?;
+        let mut config = NatsConfig::new(stream, consumer);
+        config.server = format!("nats://{}", u.authority);
+        for p in u.params() {
+            match p.name.as_str() {
+                "subject" => config.subject = p.non_empty(),
+                "ack_wait" => config.ack_wait = p.duration(Bare::Seconds)?,
                 "max_deliver" => {
-                    let n: i64 = value.parse().map_err(|_| {
-                        config_error(format!("max_deliver must be a whole number, not {value:?}"))
-                    })?;
-                    config.max_deliver = (n > 0).then_some(n);
-                    if n == 0 || n < -1 {
-                        return Err(config_error(
-                            "max_deliver must be at least 1 (or -1 for unlimited)",
-                        ));
+                    config.max_deliver = match p.value.as_str() {
+                        "-1" => None,
+                        _ => match p.count::<i64>()? {
+                            0 => {
+                                return Err(
+                                    p.error("max_deliver must be at least 1 (or -1 for unlimited)")
+                                )
+                            }
+                            n => Some(n),
+                        },
                     }
                 }
-                "batch" => {
-                    config.batch = value.parse().map_err(|_| {
-                        config_error(format!("batch must be a whole number, not {value:?}"))
-                    })?
-                }
-                "wait" => config.wait = parse_duration(name, &value)?,
-                "dlq_subject" => config.dead_letter_subject = Some(value).filter(|v| !v.is_empty()),
-                "duplicate_window" => config.duplicate_window = Some(parse_duration(name, &value)?),
-                "create" => {
-                    config.create = match value.as_str() {
-                        "" | "true" | "1" | "yes" => true,
-                        "false" | "0" | "no" => false,
-                        other => {
-                            return Err(config_error(format!(
-                                "create must be true or false, not {other:?}"
-                            )))
-                        }
-                    }
-                }
-                other => return Err(config_error(format!("unknown nats:// parameter {other:?}"))),
+                "batch" => config.batch = p.count()?,
+                "wait" => config.wait = p.duration(Bare::Seconds)?,
+                "dlq_subject" => config.dead_letter_subject = p.non_empty(),
+                "duplicate_window" => config.duplicate_window = Some(p.duration(Bare::Seconds)?),
+                "create" => config.create = p.flag()?,
+                _ => return Err(p.unknown()),
             }
         }
         config.validate()?;
@@ -471,47 +429,6 @@ fn config_error(text: impl Into<String>) -> SourceError {
 
 fn broker_error(what: &str, err: impl std::fmt::Display) -> SourceError {
     SourceError::Broker(format!("NATS {what}: {err}"))
-}
-
-fn parse_duration(name: &str, value: &str) -> Result<Duration, SourceError> {
-    let bad = || {
-        config_error(format!(
-            "{name} must be a duration such as 500ms, 30s, 2m or 1h, not {value:?}"
-        ))
-    };
-    let split = value
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(value.len());
-    let (number, unit) = value.split_at(split);
-    let number: u64 = number.parse().map_err(|_| bad())?;
-    let millis = match unit {
-        "ms" => Some(number),
-        "" | "s" => number.checked_mul(1_000),
-        "m" => number.checked_mul(60_000),
-        "h" => number.checked_mul(3_600_000),
-        _ => None,
-    };
-    millis.map(Duration::from_millis).ok_or_else(bad)
-}
-
-fn percent_decode(text: &str) -> Result<String, SourceError> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let byte = text
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| config_error(format!("bad percent-encoding in {text:?}")))?;
-            out.push(byte);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| config_error(format!("{text:?} is not UTF-8")))
 }
 
 /// Stream and consumer names: 1 to 255 printable characters without
@@ -1064,6 +981,7 @@ impl Publisher for NatsPublisher {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::source::url::parse_duration;
 
     #[test]
     fn parses_urls() {
@@ -1125,6 +1043,8 @@ mod tests {
 
     #[test]
     fn durations() {
+        // NATS durations: a bare number is seconds (the common rule).
+        let parse_duration = |name, value| parse_duration(name, value, Bare::Seconds);
         assert_eq!(
             parse_duration("x", "250ms").unwrap(),
             Duration::from_millis(250)

@@ -110,6 +110,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::url::{Bare, BrokerUrl};
 use super::{Acknowledger, Delivery, Publisher, Source};
 use crate::error::{InputError, SourceError};
 use crate::message::{DeliveryMeta, Message};
@@ -186,57 +187,34 @@ impl RedisStreamConfig {
     /// Parses
     /// `redis-stream://[user:password@]host:port/stream?group=NAME[&consumer=NAME][&claim_idle=30s][&block=2s][&count=10][&dead_letter_stream=NAME][&start=0|$][&db=N]`.
     ///
-    /// `group` is required. Durations take a unit (`ms`, `s`, `m`, `h`); a
-    /// bare number is milliseconds, as in Redis. The stream name and values
-    /// may be percent-encoded.
+    /// `group` is required. Durations take a unit (`ms`, `s`, `m`, `h`);
+    /// unlike the other sources' URLs, a bare number is **milliseconds**, as
+    /// in Redis (`block=500` is 500 ms). The stream name and values may be
+    /// percent-encoded.
     pub fn from_url(url: &str) -> Result<Self, SourceError> {
-        let bad = |why: &str| config_error(format!("invalid Redis Streams URL {url:?}: {why}"));
-        let rest = url
-            .strip_prefix("redis-stream://")
-            .ok_or_else(|| bad("it must start with redis-stream://"))?;
-        let (location, query) = rest.split_once('?').unwrap_or((rest, ""));
-        let (authority, stream) = location
-            .split_once('/')
-            .ok_or_else(|| bad("no stream: expected redis-stream://host:port/stream?group=NAME"))?;
-        if authority.is_empty() {
-            return Err(bad("no host"));
-        }
-        let stream = percent_decode(stream)?;
+        let u = BrokerUrl::parse("Redis Streams", "redis-stream", url)?;
+        u.require_path("stream")?;
+        u.host_list()?;
         let mut group = None;
         let mut db = None;
-        let mut config = Self::new(String::new(), stream, String::new());
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (name, value) = pair
-                .split_once('=')
-                .ok_or_else(|| bad(&format!("parameter {pair:?} has no value")))?;
-            let value = percent_decode(value)?;
-            match name {
-                "group" => group = Some(value),
-                "consumer" => config.consumer = Some(value),
-                "claim_idle" => config.claim_idle = parse_duration(name, &value)?,
-                "block" => config.block = parse_duration(name, &value)?,
-                "count" => {
-                    config.count = value
-                        .parse()
-                        .map_err(|_| bad(&format!("count must be a whole number, not {value:?}")))?
-                }
-                "dead_letter_stream" => config.dead_letter_stream = Some(value),
-                "start" => config.start = value,
-                "db" => {
-                    let n: u32 = value
-                        .parse()
-                        .map_err(|_| bad(&format!("db must be a whole number, not {value:?}")))?;
-                    db = Some(n);
-                }
-                other => return Err(bad(&format!("unknown parameter {other:?}"))),
+        let mut config = Self::new(String::new(), u.decoded_path()?, String::new());
+        for p in u.params() {
+            match p.name.as_str() {
+                "group" => group = p.non_empty(),
+                "consumer" => config.consumer = Some(p.value),
+                "claim_idle" => config.claim_idle = p.duration(Bare::Millis)?,
+                "block" => config.block = p.duration(Bare::Millis)?,
+                "count" => config.count = p.count()?,
+                "dead_letter_stream" => config.dead_letter_stream = Some(p.value),
+                "start" => config.start = p.value,
+                "db" => db = Some(p.count::<u32>()?),
+                _ => return Err(p.unknown()),
             }
         }
-        config.group = group
-            .filter(|g| !g.is_empty())
-            .ok_or_else(|| bad("the group parameter is required (?group=NAME)"))?;
+        config.group = group.ok_or_else(|| u.missing("group"))?;
         config.redis_url = match db {
-            Some(db) => format!("redis://{authority}/{db}"),
-            None => format!("redis://{authority}"),
+            Some(db) => format!("redis://{}/{db}", u.authority),
+            None => format!("redis://{}", u.authority),
         };
         config.validate()?;
         Ok(config)
@@ -326,48 +304,6 @@ fn broker_error(what: &str, e: RedisError) -> SourceError {
 
 fn is_transient(e: &RedisError) -> bool {
     e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal()
-}
-
-fn parse_duration(name: &str, value: &str) -> Result<Duration, SourceError> {
-    let bad = || {
-        config_error(format!(
-            "{name} must be a duration like 500ms or 30s, not {value:?}"
-        ))
-    };
-    let digits = value
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(value.len());
-    let (number, unit) = value.split_at(digits);
-    let n: u64 = number.parse().map_err(|_| bad())?;
-    let millis = match unit {
-        "" | "ms" => Some(n),
-        "s" => n.checked_mul(1000),
-        "m" => n.checked_mul(60_000),
-        "h" => n.checked_mul(3_600_000),
-        _ => None,
-    }
-    .ok_or_else(bad)?;
-    Ok(Duration::from_millis(millis))
-}
-
-fn percent_decode(text: &str) -> Result<String, SourceError> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let byte = text
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| config_error(format!("bad percent-encoding in {text:?}")))?;
-            out.push(byte);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| config_error(format!("{text:?} is not UTF-8")))
 }
 
 fn millis(d: Duration) -> u64 {
@@ -1161,6 +1097,7 @@ impl Publisher for RedisStreamPublisher {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::source::url::parse_duration;
 
     #[test]
     fn parses_urls() {
@@ -1282,6 +1219,8 @@ mod tests {
 
     #[test]
     fn parses_durations() {
+        // Redis Streams keeps its own rule: a bare number is milliseconds.
+        let parse_duration = |name, value| parse_duration(name, value, Bare::Millis);
         assert_eq!(
             parse_duration("x", "250").unwrap(),
             Duration::from_millis(250)

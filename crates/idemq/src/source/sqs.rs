@@ -105,6 +105,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
+use super::url::{Bare, BrokerUrl};
 use super::{Acknowledger, Delivery, Publisher, Source};
 use crate::error::SourceError;
 use crate::message::{DeliveryMeta, Headers, Message};
@@ -194,49 +195,29 @@ impl SqsConfig {
 
     /// Parses `sqs://queue-name?endpoint=…&region=…&visibility=30&wait=20&dlq=name&create=true&batch=10`.
     ///
-    /// Every parameter is optional; `visibility` and `wait` are whole seconds.
-    /// Values may be percent-encoded. Unknown parameters and out-of-range
-    /// values are a [`SourceError::Config`].
+    /// Every parameter is optional. `visibility` and `wait` are durations
+    /// (`30`, `30s`, `1m`; a bare number is seconds) that must come to whole
+    /// seconds. Values may be percent-encoded. Unknown parameters and
+    /// out-of-range values are a [`SourceError::Config`].
     pub fn from_url(url: &str) -> Result<Self, SourceError> {
-        let rest = url
-            .strip_prefix("sqs://")
-            .ok_or_else(|| config_error(format!("{url:?} is not an sqs:// URL")))?;
-        let (queue, query) = match rest.split_once('?') {
-            Some((q, query)) => (q, Some(query)),
-            None => (rest, None),
-        };
-        let queue = percent_decode(queue.trim_end_matches('/'))?;
+        let u = BrokerUrl::parse("SQS", "sqs", url)?;
+        if u.userinfo.is_some() || u.path.is_some_and(|p| !p.is_empty()) {
+            return Err(
+                u.error("expected sqs://QUEUE?…, with nothing but the queue name before the '?'")
+            );
+        }
+        let queue = u.decoded_hosts()?;
         let mut config = SqsConfig::new(queue);
-        for pair in query.into_iter().flat_map(|q| q.split('&')) {
-            if pair.is_empty() {
-                continue;
-            }
-            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-            let value = percent_decode(value)?;
-            match name {
-                "endpoint" => config.endpoint = Some(value).filter(|v| !v.is_empty()),
-                "region" => config.region = value,
-                "visibility" => {
-                    config.visibility = Duration::from_secs(parse_number(name, &value)?)
-                }
-                "wait" => config.wait = Duration::from_secs(parse_number(name, &value)?),
-                "batch" => {
-                    config.batch = i32::try_from(parse_number(name, &value)?)
-                        .map_err(|_| config_error("batch is out of range"))?
-                }
-                "dlq" => config.dead_letter_queue = Some(value).filter(|v| !v.is_empty()),
-                "create" => {
-                    config.create_queue = match value.as_str() {
-                        "" | "true" | "1" | "yes" => true,
-                        "false" | "0" | "no" => false,
-                        other => {
-                            return Err(config_error(format!(
-                                "create must be true or false, not {other:?}"
-                            )))
-                        }
-                    }
-                }
-                other => return Err(config_error(format!("unknown sqs:// parameter {other:?}"))),
+        for p in u.params() {
+            match p.name.as_str() {
+                "endpoint" => config.endpoint = p.non_empty(),
+                "region" => config.region = p.value,
+                "visibility" => config.visibility = p.duration(Bare::Seconds)?,
+                "wait" => config.wait = p.duration(Bare::Seconds)?,
+                "batch" => config.batch = p.count()?,
+                "dlq" => config.dead_letter_queue = p.non_empty(),
+                "create" => config.create_queue = p.flag()?,
+                _ => return Err(p.unknown()),
             }
         }
         config.validate()?;
@@ -386,32 +367,6 @@ fn config_error(text: impl Into<String>) -> SourceError {
 
 fn broker_error<E: std::error::Error>(what: &str, err: E) -> SourceError {
     SourceError::Broker(format!("SQS {what}: {}", DisplayErrorContext(err)))
-}
-
-fn parse_number(name: &str, value: &str) -> Result<u64, SourceError> {
-    value
-        .parse()
-        .map_err(|_| config_error(format!("{name} must be a whole number, not {value:?}")))
-}
-
-fn percent_decode(text: &str) -> Result<String, SourceError> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let byte = text
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| config_error(format!("bad percent-encoding in {text:?}")))?;
-            out.push(byte);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| config_error(format!("{text:?} is not UTF-8")))
 }
 
 fn validate_queue_name(name: &str) -> Result<(), SourceError> {
