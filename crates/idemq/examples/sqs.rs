@@ -5,100 +5,45 @@
 //! and PostgreSQL on localhost):
 //! `cargo run -p idemq --features sqs,postgres --example sqs`
 //! (`SQS_ENDPOINT` and `DATABASE_URL` override the defaults).
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use idemq::source::sqs::{SqsConfig, SqsPublisher, SqsSource};
 use idemq::source::Publisher;
-use idemq::store::{sql::postgres::PostgresStore, StoreAdmin};
-use idemq::{Consumer, HandlerError, KeySpec, Message, OutcomeKind};
+use idemq::KeySpec;
+
+#[path = "common/ledger.rs"]
+mod ledger;
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let run = std::process::id();
-    let queue = format!("idemq-example-{run}");
+async fn main() -> Result<(), ledger::Error> {
+    let queue = format!("idemq-example-{}", std::process::id());
     let endpoint = std::env::var("SQS_ENDPOINT").unwrap_or_else(|_| "http://127.0.0.1:5000".into());
     let config = SqsConfig::from_url(&format!(
         "sqs://{queue}?endpoint={endpoint}&region=us-east-1&visibility=10&wait=1&create=true"
     ))?;
-    let database = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-
-    let store = PostgresStore::connect(&database).await?;
-    store.migrate().await?;
-    let ledger = format!("sqs_example_ledger_{run}");
-    sqlx::query(&format!(
-        "CREATE TABLE IF NOT EXISTS {ledger} (payment_id TEXT, amount BIGINT)"
-    ))
-    .execute(store.pool())
-    .await?;
+    let ledger = ledger::Ledger::create("sqs").await?;
 
     // The producer: pay-2 is delivered twice (same message id: a standard
     // queue does not deduplicate) and pay-3 is sent again by a producer retry
     // (new message id, same business key).
     let publisher = SqsPublisher::connect(config.clone()).await?;
-    let payment = |id: &str, pay: &str, amount: i64| {
-        Message::new(format!(r#"{{"payment_id":"{pay}","amount":{amount}}}"#)).with_id(id)
-    };
-    let messages = [
-        payment("m-1", "pay-1", 10),
-        payment("m-2", "pay-2", 20),
-        payment("m-2", "pay-2", 20),
-        payment("m-3", "pay-3", 30),
-        payment("m-3-retry", "pay-3", 30),
-    ];
+    let messages = ledger::payments();
     for message in &messages {
         publisher.publish(message).await?;
     }
 
-    let insert: Arc<str> = format!("INSERT INTO {ledger} VALUES ($1, $2)").into();
-    let settled = Arc::new(AtomicUsize::new(0));
-    let consumer = Consumer::builder(queue.as_str(), store.clone())
+    let settled = ledger::Settled::default();
+    let consumer = ledger
+        .consumer(queue.as_str())
         .key(KeySpec::json("/payment_id"))
-        .on_outcome({
-            let settled = Arc::clone(&settled);
-            move |outcome| {
-                if outcome.kind() != OutcomeKind::RetryLater {
-                    settled.fetch_add(1, Ordering::SeqCst);
-                }
-            }
-        })
-        .handler_fn(move |ctx, tx| {
-            let insert = Arc::clone(&insert);
-            Box::pin(async move {
-                let p: serde_json::Value = ctx.message.json().map_err(HandlerError::permanent)?;
-                sqlx::query(&insert)
-                    .bind(ctx.key)
-                    .bind(p["amount"].as_i64())
-                    .execute(&mut **tx) // the transaction that claimed the key
-                    .await?;
-                Ok(None)
-            })
-        })
+        .on_outcome(settled.hook())
         .build()?;
 
     // An SQS queue never ends: stop once every message has an outcome.
     let source = SqsSource::connect(config.clone()).await?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let summary = consumer
-        .run_until(source, async {
-            while settled.load(Ordering::SeqCst) < messages.len() && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await?;
-    println!("{summary}");
-    assert_eq!(summary.count(OutcomeKind::Processed), 3);
-    assert_eq!(summary.count(OutcomeKind::Duplicate), 2);
-
-    let (total,): (i64,) = sqlx::query_as(&format!(
-        "SELECT COALESCE(SUM(amount), 0)::BIGINT FROM {ledger}"
-    ))
-    .fetch_one(store.pool())
-    .await?;
-    println!("ledger total: {total}");
-    assert_eq!(total, 60);
+    let stop = settled.reached(messages.len(), Duration::from_secs(30));
+    let summary = consumer.run_until(source, stop).await?;
+    ledger.report(&summary, 2).await?;
 
     // Clean up the example's queue and table.
     let client = config.client()?;
@@ -107,8 +52,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .queue_url(publisher.queue_url())
         .send()
         .await?;
-    sqlx::query(&format!("DROP TABLE {ledger}"))
-        .execute(store.pool())
-        .await?;
+    ledger.drop_table().await?;
     Ok(())
 }

@@ -10,18 +10,19 @@ mod support;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use idemq::source::amqp::{AmqpConfig, AmqpPublisher, AmqpSource, QueueType, REASON_HEADER};
-use idemq::source::{Delivery, Publisher, Source};
+use idemq::source::Source;
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::DeadLetterReason;
 use idemq::{Consumer, Message, OutcomeKind, RetryPolicy, SourceError, Summary};
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use support::{assert_dead_lettered, payment, workload, Ledger, Plan, SwallowAcks};
+use support::{
+    assert_dead_lettered, payment, workload, Deliveries, Ledger, Plan, SwallowAcks, Tally,
+};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -64,9 +65,7 @@ impl Rabbit {
     }
 
     async fn publish(&self, messages: &[Message]) {
-        for m in messages {
-            self.publisher.publish(m).await.unwrap();
-        }
+        support::publish_all(&self.publisher, messages).await;
     }
 
     /// Messages waiting in `queue`.
@@ -118,26 +117,6 @@ impl Rabbit {
     }
 }
 
-/// Outcomes counted as they happen.
-type Tally = Arc<Mutex<Summary>>;
-
-fn tally(
-    builder: idemq::ConsumerBuilder<PostgresStore>,
-) -> (idemq::ConsumerBuilder<PostgresStore>, Tally) {
-    let tally = Tally::default();
-    let t = Arc::clone(&tally);
-    (
-        builder.on_outcome(move |o| t.lock().unwrap().record(o.kind())),
-        tally,
-    )
-}
-
-/// Final outcomes (everything but retry_later).
-fn settled(tally: &Tally) -> u64 {
-    let s = tally.lock().unwrap();
-    s.total() - s.count(OutcomeKind::RetryLater)
-}
-
 /// A consumer running in a task until stopped.
 struct Running {
     stop: oneshot::Sender<()>,
@@ -184,66 +163,20 @@ where
     }
 }
 
-/// One delivery as the engine saw it.
-#[derive(Debug, Clone)]
-struct Seen {
-    key: String,
-    count: u32,
-    headers: BTreeMap<String, String>,
-    at: Instant,
-}
-
-/// A source wrapper that records every delivery.
-struct Recording<S> {
-    inner: S,
-    log: Arc<Mutex<Vec<Seen>>>,
-}
-
-#[async_trait]
-impl<S: Source> Source for Recording<S> {
-    async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
-        let delivery = self.inner.next().await?;
-        if let Some(d) = &delivery {
-            self.log.lock().unwrap().push(Seen {
-                key: d.message.key.clone().unwrap_or_default(),
-                count: d.meta.delivery_count,
-                headers: d
-                    .message
-                    .headers
-                    .iter()
-                    .map(|(k, v)| (k.to_owned(), String::from_utf8_lossy(v).into_owned()))
-                    .collect(),
-                at: Instant::now(),
-            });
-        }
-        Ok(delivery)
-    }
-}
-
-fn recording<S: Source>(inner: S) -> (Recording<S>, Arc<Mutex<Vec<Seen>>>) {
-    let log = Arc::default();
-    (
-        Recording {
-            inner,
-            log: Arc::clone(&log),
-        },
-        log,
-    )
-}
-
 #[tokio::test]
 async fn duplicates_of_both_kinds_apply_once_and_poison_is_dead_lettered_twice() {
     let ledger = Ledger::new().await;
     let rabbit = Rabbit::new(QueueType::Classic, 8).await;
     let w = workload(20, 2);
-    let (builder, outcomes) = tally(ledger.consumer("amqp-dups", Arc::default()).concurrency(4));
-    let consumer = builder.build().unwrap();
-    let (source, seen) = recording(rabbit.source().await);
+    let outcomes = Tally::default();
+    let consumer = outcomes.build(ledger.consumer("amqp-dups", Arc::default()).concurrency(4));
+    let seen = Deliveries::default();
+    let source = seen.wrap(rabbit.source().await);
     rabbit.publish(&w.messages).await;
 
     let run = start(&consumer, source);
     eventually(Duration::from_secs(20), "every message settled", || async {
-        settled(&outcomes) >= w.messages.len() as u64
+        outcomes.finals() >= w.messages.len()
     })
     .await;
     let summary = run.stop().await;
@@ -260,7 +193,7 @@ async fn duplicates_of_both_kinds_apply_once_and_poison_is_dead_lettered_twice()
     );
     assert_eq!(summary.count(OutcomeKind::Duplicate), w.duplicates as u64);
     // The message mapping: key from the idemq-key header, headers kept.
-    let seen = seen.lock().unwrap().clone();
+    let seen = seen.log();
     assert!(
         seen.iter()
             .all(|s| s.headers.get("event_id") == Some(&s.key)),
@@ -287,13 +220,13 @@ async fn crash_after_commit_before_ack_redelivers_as_duplicates() {
     let w = workload(12, 0);
     rabbit.publish(&w.messages).await;
 
-    let (builder, first) = tally(ledger.consumer("amqp-swallow", Arc::default()));
-    let consumer = builder.build().unwrap();
+    let first = Tally::default();
+    let consumer = first.build(ledger.consumer("amqp-swallow", Arc::default()));
     let swallowing = SwallowAcks::new(rabbit.source().await, |_| true);
     let swallowed = Arc::clone(&swallowing.swallowed);
     let run = start(&consumer, swallowing);
     eventually(Duration::from_secs(20), "the first run", || async {
-        settled(&first) >= w.messages.len() as u64
+        first.finals() >= w.messages.len()
     })
     .await;
     // Stopping drops the source with the unacked deliveries: the consumer "died".
@@ -302,12 +235,13 @@ async fn crash_after_commit_before_ack_redelivers_as_duplicates() {
     let swallowed = u64::from(swallowed.load(Ordering::SeqCst));
     assert!(swallowed >= w.messages.len() as u64);
 
-    let (builder, second) = tally(ledger.consumer("amqp-swallow", Arc::default()));
-    let consumer = builder.build().unwrap();
-    let (source, seen) = recording(rabbit.source().await);
+    let second = Tally::default();
+    let consumer = second.build(ledger.consumer("amqp-swallow", Arc::default()));
+    let seen = Deliveries::default();
+    let source = seen.wrap(rabbit.source().await);
     let run = start(&consumer, source);
     eventually(Duration::from_secs(20), "the redeliveries", || async {
-        settled(&second) >= w.messages.len() as u64
+        second.finals() >= w.messages.len()
     })
     .await;
     let summary = run.stop().await;
@@ -316,10 +250,7 @@ async fn crash_after_commit_before_ack_redelivers_as_duplicates() {
         summary.count(OutcomeKind::Duplicate),
         w.messages.len() as u64
     );
-    assert!(
-        seen.lock().unwrap().iter().all(|s| s.count >= 2),
-        "redelivered"
-    );
+    assert!(seen.log().iter().all(|s| s.count >= 2), "redelivered");
     ledger.assert_exactly_once(&w.expected).await;
     assert_eq!(rabbit.ready(rabbit.config.queue_name()).await, 0);
     rabbit.cleanup().await;
@@ -352,8 +283,8 @@ async fn crash_before_commit_applies_once_after_restart() {
     run.kill().await; // mid-handler, before the commit
     assert!(ledger.rows().await.is_empty());
 
-    let (source, seen) = recording(rabbit.source().await);
-    let run = start(&consumer, source);
+    let seen = Deliveries::default();
+    let run = start(&consumer, seen.wrap(rabbit.source().await));
     let rows = ledger
         .wait_for(Duration::from_secs(10), |rows| !rows.is_empty())
         .await;
@@ -361,7 +292,7 @@ async fn crash_before_commit_applies_once_after_restart() {
     let summary = run.stop().await;
     assert_eq!(summary.count(OutcomeKind::Processed), 1, "{summary}");
     assert_eq!(plan.calls.load(Ordering::SeqCst), 2);
-    assert_eq!(seen.lock().unwrap()[0].count, 2, "a redelivery");
+    assert_eq!(seen.log()[0].count, 2, "a redelivery");
     ledger
         .assert_exactly_once(&BTreeMap::from([("p-slow".to_owned(), 7)]))
         .await;
@@ -379,7 +310,8 @@ async fn retries_go_through_the_delayed_retry_queues() {
         .consumer("amqp-retry", Arc::clone(&plan))
         .build()
         .unwrap();
-    let (source, seen) = recording(rabbit.source().await);
+    let seen = Deliveries::default();
+    let source = seen.wrap(rabbit.source().await);
     let started = Instant::now();
     rabbit
         .publish(&[
@@ -413,7 +345,7 @@ async fn retries_go_through_the_delayed_retry_queues() {
     assert_eq!(summary.count(OutcomeKind::RetryLater), 4, "{summary}");
     assert!(elapsed >= Duration::from_millis(150), "{elapsed:?}");
 
-    let seen = seen.lock().unwrap().clone();
+    let seen = seen.log();
     for key in ["p-flaky", "p-bad"] {
         let tries: Vec<_> = seen.iter().filter(|s| s.key == key).collect();
         let counts: Vec<_> = tries.iter().map(|s| s.count).collect();
@@ -446,23 +378,21 @@ async fn competing_consumers_share_the_queue_exactly_once() {
     let ledger = Ledger::new().await;
     let rabbit = Rabbit::new(QueueType::Classic, 2).await;
     let w = workload(30, 1);
-    let (a, tally_a) = tally(
-        ledger
-            .consumer("amqp-compete", Arc::default())
-            .concurrency(2),
-    );
-    let (b, tally_b) = tally(
-        ledger
-            .consumer("amqp-compete", Arc::default())
-            .concurrency(2),
-    );
-    let (a, b) = (a.build().unwrap(), b.build().unwrap());
+    let tally = Tally::default();
+    let build = || {
+        tally.build(
+            ledger
+                .consumer("amqp-compete", Arc::default())
+                .concurrency(2),
+        )
+    };
+    let (a, b) = (build(), build());
     let run_a = start(&a, rabbit.source().await);
     let run_b = start(&b, rabbit.source().await);
     rabbit.publish(&w.messages).await;
 
     eventually(Duration::from_secs(20), "every message settled", || async {
-        settled(&tally_a) + settled(&tally_b) >= w.messages.len() as u64
+        tally.finals() >= w.messages.len()
     })
     .await;
     let (sa, sb) = (run_a.stop().await, run_b.stop().await);
@@ -511,28 +441,28 @@ async fn quorum_queue_delivery_count_dead_letters_a_consumer_killer() {
     // Two consumers die in the middle of the handler.
     let mut counts = Vec::new();
     for round in 1..=2u32 {
-        let (source, seen) = recording(rabbit.source().await);
-        let run = start(&consumer, source);
+        let seen = Deliveries::default();
+        let run = start(&consumer, seen.wrap(rabbit.source().await));
         eventually(Duration::from_secs(10), "the handler to start", || async {
             plan.calls.load(Ordering::SeqCst) >= round
         })
         .await;
         run.kill().await;
-        let seen = seen.lock().unwrap().clone();
+        let seen = seen.log();
         counts.push((
             seen[0].count,
             seen[0].headers.get("x-delivery-count").cloned(),
         ));
     }
     // The third delivery is past max_deliveries: dead-lettered without running.
-    let (source, seen) = recording(rabbit.source().await);
-    let run = start(&consumer, source);
+    let seen = Deliveries::default();
+    let run = start(&consumer, seen.wrap(rabbit.source().await));
     eventually(Duration::from_secs(10), "the dead letter", || async {
         !ledger.dead_letters().await.is_empty()
     })
     .await;
     let summary = run.stop().await;
-    let seen = seen.lock().unwrap().clone();
+    let seen = seen.log();
     counts.push((
         seen[0].count,
         seen[0].headers.get("x-delivery-count").cloned(),

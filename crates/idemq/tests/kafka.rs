@@ -15,7 +15,7 @@ use std::time::Duration;
 use idemq::source::kafka::{
     default_key_spec, KafkaConfig, KafkaPublisher, KafkaSource, DEAD_LETTER_REASON_HEADER,
 };
-use idemq::source::{Publisher, Source};
+use idemq::source::Source;
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::DeadLetterReason;
 use idemq::{handler_fn, Consumer, HandlerError, Message, OutcomeKind, Summary};
@@ -26,7 +26,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Headers as _, Message as _};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
-use support::{payment, Ledger, PgTx, Plan};
+use support::{payment, payments, Ledger, PgTx, Plan, Tally};
 
 const BROKERS: &str = "127.0.0.1:9092";
 const PARTITIONS: i32 = 3;
@@ -65,10 +65,7 @@ async fn source(topic: &str, group: &str) -> KafkaSource {
 
 async fn publish(topic: &str, messages: &[Message]) {
     let publisher = KafkaPublisher::connect(BROKERS, topic).await.unwrap();
-    for m in messages {
-        publisher.publish(m).await.unwrap();
-    }
-    publisher.flush().await.unwrap();
+    support::publish_all(&publisher, messages).await;
 }
 
 /// Waits until the group's committed offsets reach the end of every
@@ -137,6 +134,12 @@ async fn run_to_end(
         "offsets were not committed to the end in {limit:?}: {summary}"
     );
     summary
+}
+
+/// [`run_to_end`] with a new member of `group`, within 60 s.
+async fn run_group_to_end(consumer: &Consumer<PostgresStore>, topic: &str, group: &str) -> Summary {
+    let source = source(topic, group).await;
+    run_to_end(consumer, source, topic, group, Duration::from_secs(60)).await
 }
 
 /// Reads every record of a one-partition topic without joining a group.
@@ -283,12 +286,10 @@ async fn crash_after_commit_before_offset_commit() {
         .run_until(wrapped, async {
             // One delivery per partition is handed out at a time, so every
             // partition stops at its first (swallowed) record.
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-            while swallowed.load(Ordering::SeqCst) < PARTITIONS as u32
-                && tokio::time::Instant::now() < deadline
-            {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            support::wait_until(Duration::from_secs(30), || {
+                swallowed.load(Ordering::SeqCst) >= PARTITIONS as u32
+            })
+            .await;
             tokio::time::sleep(Duration::from_millis(300)).await;
         })
         .await
@@ -305,14 +306,7 @@ async fn crash_after_commit_before_offset_commit() {
         .consumer("kafka-crash", Arc::clone(&plan))
         .build()
         .unwrap();
-    let summary = run_to_end(
-        &second,
-        source(&topic, &group).await,
-        &topic,
-        &group,
-        Duration::from_secs(60),
-    )
-    .await;
+    let summary = run_group_to_end(&second, &topic, &group).await;
     ledger.assert_exactly_once(&work.expected).await;
     assert_eq!(
         summary.count(OutcomeKind::Processed),
@@ -334,22 +328,17 @@ async fn crash_inside_the_handler() {
     let ledger = Ledger::new().await;
     let topic = new_topic(PARTITIONS).await;
     let group = support::unique("g");
-    let mut messages = vec![payment(
-        "m-slow",
-        "p-slow",
-        7,
-        serde_json::json!({ "sleep_ms": 1500 }),
-    )];
-    let mut expected = BTreeMap::from([("p-slow".to_owned(), 7)]);
-    for i in 0..12 {
-        messages.push(payment(
-            &format!("m-{i}"),
-            &format!("p-{i}"),
-            i + 1,
-            serde_json::json!({}),
-        ));
-        expected.insert(format!("p-{i}"), i + 1);
-    }
+    let (mut messages, mut expected) = payments(12, serde_json::json!({}));
+    messages.insert(
+        0,
+        payment(
+            "m-slow",
+            "p-slow",
+            7,
+            serde_json::json!({ "sleep_ms": 1500 }),
+        ),
+    );
+    expected.insert("p-slow".to_owned(), 7);
     publish(&topic, &messages).await;
     let plan = Arc::new(Plan::default());
 
@@ -358,17 +347,8 @@ async fn crash_inside_the_handler() {
         .build()
         .unwrap();
     let first = source(&topic, &group).await;
-    let run = tokio::spawn({
-        let consumer = consumer.clone();
-        async move { consumer.run(first).await }
-    });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while plan.calls.load(Ordering::SeqCst) == 0 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    run.abort(); // the slow handler is still sleeping: killed before its commit
-    assert!(run.await.unwrap_err().is_cancelled());
+    // The slow handler is still sleeping: killed before its commit.
+    support::kill_inside_handler(&consumer, first, &plan, Duration::from_millis(500)).await;
     let before = ledger.rows().await;
     assert!(
         before.iter().all(|(k, _)| k != "p-slow"),
@@ -376,14 +356,7 @@ async fn crash_inside_the_handler() {
     );
     assert!(before.len() < expected.len());
 
-    let summary = run_to_end(
-        &consumer,
-        source(&topic, &group).await,
-        &topic,
-        &group,
-        Duration::from_secs(60),
-    )
-    .await;
+    let summary = run_group_to_end(&consumer, &topic, &group).await;
     ledger.assert_exactly_once(&expected).await;
     assert!(summary.count(OutcomeKind::Processed) >= 1, "{summary}");
     assert_eq!(summary.count(OutcomeKind::DeadLettered), 0);
@@ -423,14 +396,7 @@ async fn retries_then_dead_letter() {
         .consumer("kafka-retry", Arc::clone(&plan))
         .build()
         .unwrap();
-    let summary = run_to_end(
-        &consumer,
-        source(&topic, &group).await,
-        &topic,
-        &group,
-        Duration::from_secs(60),
-    )
-    .await;
+    let summary = run_group_to_end(&consumer, &topic, &group).await;
 
     let expected = BTreeMap::from([
         ("p-flaky".to_owned(), 5),
@@ -482,17 +448,12 @@ async fn competing_consumers_and_a_rebalance() {
     }
     publish(&topic, &messages).await;
     let plan = Arc::new(Plan::default());
-    let seen = Arc::new(AtomicUsize::new(0));
-    let build = |seen: Arc<AtomicUsize>| {
-        ledger
-            .consumer("kafka-group", Arc::clone(&plan))
-            .on_outcome(move |_| {
-                seen.fetch_add(1, Ordering::SeqCst);
-            })
-            .build()
-            .unwrap()
-    };
-    let (a, b) = (build(Arc::clone(&seen)), build(Arc::default()));
+    let seen = Tally::default();
+    let a = seen.build(ledger.consumer("kafka-group", Arc::clone(&plan)));
+    let b = ledger
+        .consumer("kafka-group", Arc::clone(&plan))
+        .build()
+        .unwrap();
     let stop = Arc::new(tokio::sync::Notify::new());
     let first = source(&topic, &group).await;
     let run_a = tokio::spawn({
@@ -500,12 +461,9 @@ async fn competing_consumers_and_a_rebalance() {
         async move { a.run_until(first, stop.notified_owned()).await.unwrap() }
     });
     // Start the second member while the first is busy.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while seen.load(Ordering::SeqCst) < 5 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    support::wait_until(Duration::from_secs(30), || seen.total() >= 5).await;
     assert!(
-        seen.load(Ordering::SeqCst) < messages.len(),
+        seen.total() < messages.len(),
         "the first member finished too early"
     );
     let second = source(&topic, &group).await;
@@ -601,14 +559,7 @@ async fn order_within_a_partition() {
         }))
         .build()
         .unwrap();
-    let summary = run_to_end(
-        &consumer,
-        source(&topic, &group).await,
-        &topic,
-        &group,
-        Duration::from_secs(60),
-    )
-    .await;
+    let summary = run_group_to_end(&consumer, &topic, &group).await;
 
     assert_eq!(
         overlaps.load(Ordering::SeqCst),

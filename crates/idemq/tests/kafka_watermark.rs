@@ -8,17 +8,16 @@
 mod support;
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use idemq::engine::WatermarkOptions;
 use idemq::source::kafka::{create_topic, KafkaConfig, KafkaPublisher, KafkaSource};
-use idemq::source::{Publisher, Source};
+use idemq::source::Source;
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::OffsetStore;
 use idemq::{Consumer, Message, OutcomeKind, Summary};
-use support::{payment, Ledger, Plan, SwallowAcks};
+use support::{payments, Ledger, Plan, SwallowAcks, Tally};
 
 const BROKERS: &str = "127.0.0.1:9092";
 const PARTITIONS: i32 = 3;
@@ -39,10 +38,7 @@ async fn source(topic: &str, group: &str) -> KafkaSource {
 
 async fn publish(topic: &str, messages: &[Message]) {
     let publisher = KafkaPublisher::connect(BROKERS, topic).await.unwrap();
-    for m in messages {
-        publisher.publish(m).await.unwrap();
-    }
-    publisher.flush().await.unwrap();
+    support::publish_all(&publisher, messages).await;
 }
 
 /// Runs until `outcomes` deliveries were settled (or 60 s), then stops.
@@ -50,37 +46,21 @@ async fn run_for(
     consumer: &Consumer<PostgresStore>,
     source: impl Source,
     options: WatermarkOptions,
-    seen: &Arc<AtomicUsize>,
+    seen: &Tally,
     outcomes: usize,
 ) -> Summary {
-    let seen = Arc::clone(seen);
-    let stop = async move {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        while seen.load(Ordering::SeqCst) < outcomes && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
+    let stop = support::wait_until(Duration::from_secs(60), || seen.total() >= outcomes);
     consumer
-        .run_watermarked_until(source, options, stop)
+        .run_watermarked_until(source, options, async {
+            stop.await;
+        })
         .await
         .unwrap()
 }
 
-fn counting(
-    ledger: &Ledger,
-    name: &str,
-    plan: &Arc<Plan>,
-) -> (Consumer<PostgresStore>, Arc<AtomicUsize>) {
-    let seen = Arc::new(AtomicUsize::new(0));
-    let counter = Arc::clone(&seen);
-    let consumer = ledger
-        .consumer(name, Arc::clone(plan))
-        .on_outcome(move |_| {
-            counter.fetch_add(1, Ordering::SeqCst);
-        })
-        .build()
-        .unwrap();
-    (consumer, seen)
+fn counting(ledger: &Ledger, name: &str, plan: &Arc<Plan>) -> (Consumer<PostgresStore>, Tally) {
+    let seen = Tally::default();
+    (seen.build(ledger.consumer(name, Arc::clone(plan))), seen)
 }
 
 /// The ledger holds `n` rows, one per distinct record, summing to `sum`.
@@ -96,16 +76,7 @@ async fn assert_applied_once(ledger: &Ledger, n: usize, sum: i64) {
 async fn a_restart_and_an_offset_reset_apply_nothing_twice() {
     let ledger = Ledger::new().await;
     let topic = new_topic().await;
-    let messages: Vec<Message> = (0..24)
-        .map(|i| {
-            payment(
-                &format!("m-{i}"),
-                &format!("p-{i}"),
-                i + 1,
-                serde_json::json!({}),
-            )
-        })
-        .collect();
+    let (messages, _) = payments(24, serde_json::json!({}));
     publish(&topic, &messages).await;
     let plan = Arc::new(Plan::default());
     let options = WatermarkOptions::default();
@@ -218,31 +189,13 @@ async fn key_dedup_on_top_catches_producer_retries() {
 async fn a_rebalance_with_messages_in_flight() {
     let ledger = Ledger::new().await;
     let topic = new_topic().await;
-    let messages: Vec<Message> = (0..60)
-        .map(|i| {
-            payment(
-                &format!("m-{i}"),
-                &format!("p-{i}"),
-                i + 1,
-                serde_json::json!({ "sleep_ms": 150 }),
-            )
-        })
-        .collect();
+    let (messages, _) = payments(60, serde_json::json!({ "sleep_ms": 150 }));
     publish(&topic, &messages).await;
     let plan = Arc::new(Plan::default());
     let group = support::unique("g");
     let options = WatermarkOptions::default();
-    let seen = Arc::new(AtomicUsize::new(0));
-    let build = || {
-        let counter = Arc::clone(&seen);
-        ledger
-            .consumer("wm-group", Arc::clone(&plan))
-            .on_outcome(move |_| {
-                counter.fetch_add(1, Ordering::SeqCst);
-            })
-            .build()
-            .unwrap()
-    };
+    let seen = Tally::default();
+    let build = || seen.build(ledger.consumer("wm-group", Arc::clone(&plan)));
     let (a, b) = (build(), build());
     let stop = Arc::new(tokio::sync::Notify::new());
     let first = source(&topic, &group).await;
@@ -253,9 +206,10 @@ async fn a_rebalance_with_messages_in_flight() {
                 .await
         }
     });
-    while seen.load(Ordering::SeqCst) < 5 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    assert!(
+        support::wait_until(Duration::from_secs(60), || seen.total() >= 5).await,
+        "the first member settled nothing"
+    );
     let second = source(&topic, &group).await;
     let run_b = tokio::spawn({
         let stop = Arc::clone(&stop);

@@ -10,16 +10,17 @@ mod support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use idemq::source::nats::{NatsConfig, NatsPublisher, NatsSource, REASON_HEADER};
-use idemq::source::{Delivery, Publisher, Source};
-use idemq::store::sql::postgres::PostgresStore;
+use idemq::source::Publisher;
 use idemq::store::DeadLetterReason;
-use idemq::{Consumer, Message, Outcome, OutcomeKind, RetryPolicy, SourceError};
-use support::{assert_dead_lettered, payment, workload, Ledger, Plan, SwallowAcks};
+use idemq::{Message, OutcomeKind, SourceError};
+use support::{
+    assert_dead_lettered, payment, payments, run_until_settled, workload, Deliveries, Ledger, Plan,
+    SwallowAcks, Tally,
+};
 
 fn server() -> String {
     std::env::var("IDEMQ_TEST_NATS").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
@@ -62,9 +63,7 @@ async fn publish_outside_window(config: &NatsConfig, messages: &[Message]) {
 
 async fn publish(config: &NatsConfig, messages: &[Message]) {
     let publisher = NatsPublisher::connect(config.clone()).await.unwrap();
-    for m in messages {
-        publisher.publish(m).await.unwrap();
-    }
+    support::publish_all(&publisher, messages).await;
 }
 
 /// Deletes the test's stream and its dead-letter stream, if any.
@@ -72,125 +71,6 @@ async fn delete_streams(config: &NatsConfig) {
     let js = config.jetstream().await.unwrap();
     js.delete_stream(&config.stream).await.unwrap();
     let _ = js.delete_stream(format!("{}_dlq", config.stream)).await;
-}
-
-fn outcome_key(outcome: &Outcome) -> Option<String> {
-    match outcome {
-        Outcome::Processed { key, .. } => Some(key.clone()),
-        Outcome::Duplicate { record } | Outcome::Conflict { record, .. } => {
-            Some(record.key.clone())
-        }
-        Outcome::RetryLater { key, .. } | Outcome::DeadLettered { key, .. } => key.clone(),
-    }
-}
-
-/// Every outcome with its time, shared by the consumers of one test.
-#[derive(Clone, Default)]
-struct Tally(Arc<Mutex<Vec<Entry>>>);
-
-/// When, what, and for which key.
-type Entry = (Instant, OutcomeKind, Option<String>);
-
-impl Tally {
-    fn hook(&self) -> impl Fn(&Outcome) + Send + Sync + 'static {
-        let all = Arc::clone(&self.0);
-        move |o: &Outcome| {
-            all.lock()
-                .unwrap()
-                .push((Instant::now(), o.kind(), outcome_key(o)))
-        }
-    }
-
-    /// Outcomes that end a delivery for good (everything but retry-later).
-    fn finals(&self) -> usize {
-        self.0
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(_, k, ..)| *k != OutcomeKind::RetryLater)
-            .count()
-    }
-
-    fn count(&self, kind: OutcomeKind) -> usize {
-        self.0
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(_, k, ..)| *k == kind)
-            .count()
-    }
-
-    /// (time, kind) of every outcome of `key`, in order.
-    fn of(&self, key: &str) -> Vec<(Instant, OutcomeKind)> {
-        self.0
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(_, _, k)| k.as_deref() == Some(key))
-            .map(|(t, kind, ..)| (*t, *kind))
-            .collect()
-    }
-}
-
-/// Counts the deliveries a source hands out, per message key, and the
-/// highest delivery count seen per key.
-#[derive(Clone, Default)]
-struct Deliveries(Arc<Mutex<HashMap<String, (u32, u32)>>>);
-
-impl Deliveries {
-    fn wrap<S: Source>(&self, inner: S) -> Counting<S> {
-        Counting {
-            inner,
-            seen: self.clone(),
-        }
-    }
-
-    fn get(&self, key: &str) -> (u32, u32) {
-        self.0.lock().unwrap().get(key).copied().unwrap_or_default()
-    }
-
-    fn total(&self) -> u32 {
-        self.0.lock().unwrap().values().map(|(n, _)| n).sum()
-    }
-}
-
-struct Counting<S> {
-    inner: S,
-    seen: Deliveries,
-}
-
-#[async_trait]
-impl<S: Source> Source for Counting<S> {
-    async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
-        let delivery = self.inner.next().await?;
-        if let Some(d) = &delivery {
-            let key = d.message.key.clone().unwrap_or_default();
-            let mut seen = self.seen.0.lock().unwrap();
-            let entry = seen.entry(key).or_default();
-            entry.0 += 1;
-            entry.1 = entry.1.max(d.meta.delivery_count);
-        }
-        Ok(delivery)
-    }
-}
-
-/// Runs `source` until `done` holds (checked every 50 ms) or `limit` passes.
-async fn run_until(
-    consumer: &Consumer<PostgresStore>,
-    source: impl Source,
-    limit: Duration,
-    done: impl Fn() -> bool,
-) {
-    let deadline = Instant::now() + limit;
-    consumer
-        .run_until(source, async {
-            while !done() && Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await
-        .unwrap();
-    assert!(done(), "not done within {limit:?}");
 }
 
 /// Reads `n` copies from the dead-letter subject of `config` (its stream
@@ -204,18 +84,7 @@ async fn read_dead_letters(config: &NatsConfig, n: usize) -> Vec<Message> {
         .wait(Duration::from_secs(1))
         .create(true);
     let mut source = NatsSource::connect(dlq).await.unwrap();
-    let mut got = Vec::new();
-    while got.len() < n {
-        let delivery = tokio::time::timeout(Duration::from_secs(10), source.next())
-            .await
-            .expect("dead-letter copy in time")
-            .unwrap()
-            .unwrap();
-        let (message, _, _, acker) = delivery.into_parts();
-        acker.ack().await.unwrap();
-        got.push(message);
-    }
-    got
+    support::receive(&mut source, n).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -227,26 +96,20 @@ async fn duplicates_are_applied_once_and_poison_is_dead_lettered() {
     publish_outside_window(&config, &w.messages).await;
 
     let tally = Tally::default();
-    let consumer = ledger
-        .consumer("billing", Arc::new(Plan::default()))
-        .concurrency(4)
-        .on_outcome(tally.hook())
-        .build()
-        .unwrap();
+    let consumer = tally.build(
+        ledger
+            .consumer("billing", Arc::new(Plan::default()))
+            .concurrency(4),
+    );
     let deliveries = Deliveries::default();
     let source = deliveries.wrap(NatsSource::connect(config.clone()).await.unwrap());
     let total = w.messages.len();
-    run_until(&consumer, source, Duration::from_secs(30), || {
-        tally.finals() >= total
-    })
-    .await;
+    run_until_settled(&consumer, source, &tally, total, Duration::from_secs(30)).await;
 
     // Every copy reached the consumer (published outside the window), once each.
     assert_eq!(deliveries.total() as usize, total);
     ledger.assert_exactly_once(&w.expected).await;
-    assert_eq!(tally.count(OutcomeKind::Processed), w.expected.len());
-    assert_eq!(tally.count(OutcomeKind::Duplicate), w.duplicates);
-    assert_eq!(tally.count(OutcomeKind::DeadLettered), w.poison.len());
+    tally.assert_workload(&w);
     assert_dead_lettered(
         &ledger.dead_letters().await,
         &w.poison,
@@ -254,18 +117,8 @@ async fn duplicates_are_applied_once_and_poison_is_dead_lettered() {
     );
 
     // The poison is on the dead-letter subject too, with its reason and headers.
-    let mut copies = read_dead_letters(&config, w.poison.len()).await;
-    copies.sort_by(|a, b| a.key.cmp(&b.key));
-    for (copy, key) in copies.iter().zip(&w.poison) {
-        assert_eq!(copy.key.as_deref(), Some(key.as_str()));
-        assert_eq!(copy.id, Some(format!("m-{key}")));
-        assert_eq!(
-            copy.headers.get(REASON_HEADER),
-            Some(&b"permanent_failure"[..])
-        );
-        assert_eq!(copy.headers.get("event_id"), Some(key.as_bytes()));
-        assert_eq!(copy.json().unwrap()["payment_id"], key.as_str());
-    }
+    let copies = read_dead_letters(&config, w.poison.len()).await;
+    support::assert_dead_letter_copies(&copies, &w.poison, REASON_HEADER, "permanent_failure");
     delete_streams(&config).await;
     ledger.cleanup().await;
 }
@@ -279,17 +132,10 @@ async fn jetstream_drops_a_same_id_republish_and_the_inbox_the_producer_retry() 
     publish(&config, &[m.clone(), m, retry]).await;
 
     let tally = Tally::default();
-    let consumer = ledger
-        .consumer("billing", Arc::new(Plan::default()))
-        .on_outcome(tally.hook())
-        .build()
-        .unwrap();
+    let consumer = tally.build(ledger.consumer("billing", Arc::new(Plan::default())));
     let deliveries = Deliveries::default();
     let source = deliveries.wrap(NatsSource::connect(config.clone()).await.unwrap());
-    run_until(&consumer, source, Duration::from_secs(10), || {
-        tally.finals() >= 2
-    })
-    .await;
+    run_until_settled(&consumer, source, &tally, 2, Duration::from_secs(10)).await;
     // Give a wrongly kept third copy the time to show up.
     let source = deliveries.wrap(NatsSource::connect(config.clone()).await.unwrap());
     consumer
@@ -310,34 +156,17 @@ async fn jetstream_drops_a_same_id_republish_and_the_inbox_the_producer_retry() 
 async fn an_ack_lost_after_the_commit_ends_as_a_duplicate() {
     let ledger = Ledger::new().await;
     let config = config(&support::unique("swallow"));
-    let messages: Vec<Message> = (0..3)
-        .map(|i| {
-            payment(
-                &format!("m-{i}"),
-                &format!("p-{i}"),
-                i + 1,
-                serde_json::json!({}),
-            )
-        })
-        .collect();
+    let (messages, expected) = payments(3, serde_json::json!({}));
     publish(&config, &messages).await;
-    let expected: BTreeMap<String, i64> = (0..3).map(|i| (format!("p-{i}"), i + 1)).collect();
 
     // First consumer: commits p-1, but its ack never reaches the server.
     let tally = Tally::default();
-    let consumer = ledger
-        .consumer("billing", Arc::new(Plan::default()))
-        .on_outcome(tally.hook())
-        .build()
-        .unwrap();
+    let consumer = tally.build(ledger.consumer("billing", Arc::new(Plan::default())));
     let source = SwallowAcks::new(NatsSource::connect(config.clone()).await.unwrap(), |d| {
         d.message.key.as_deref() == Some("p-1")
     });
     let swallowed = Arc::clone(&source.swallowed);
-    run_until(&consumer, source, Duration::from_secs(10), || {
-        tally.finals() >= 3
-    })
-    .await;
+    run_until_settled(&consumer, source, &tally, 3, Duration::from_secs(10)).await;
     assert_eq!(swallowed.load(Ordering::SeqCst), 1);
     assert_eq!(tally.count(OutcomeKind::Processed), 3);
     ledger.assert_exactly_once(&expected).await;
@@ -345,18 +174,11 @@ async fn an_ack_lost_after_the_commit_ends_as_a_duplicate() {
     // The consumer is gone (source dropped): p-1 comes back after ack_wait,
     // and a new client of the durable consumer finds it already processed.
     let again = Tally::default();
-    let consumer = ledger
-        .consumer("billing", Arc::new(Plan::default()))
-        .on_outcome(again.hook())
-        .build()
-        .unwrap();
+    let consumer = again.build(ledger.consumer("billing", Arc::new(Plan::default())));
     let deliveries = Deliveries::default();
     let source = deliveries.wrap(NatsSource::connect(config.clone()).await.unwrap());
     let started = Instant::now();
-    run_until(&consumer, source, Duration::from_secs(10), || {
-        again.finals() >= 1
-    })
-    .await;
+    run_until_settled(&consumer, source, &again, 1, Duration::from_secs(10)).await;
     assert!(
         started.elapsed() >= Duration::from_millis(500),
         "came back before ack_wait"
@@ -391,32 +213,14 @@ async fn a_consumer_killed_before_the_commit_applies_once_after_restart() {
         .build()
         .unwrap();
     let source = NatsSource::connect(config.clone()).await.unwrap();
-    let run = tokio::spawn({
-        let consumer = consumer.clone();
-        async move { consumer.run(source).await }
-    });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while plan.calls.load(Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "the handler was never called");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    run.abort(); // killed mid-handler, before the commit
-    assert!(run.await.unwrap_err().is_cancelled());
+    support::kill_inside_handler(&consumer, source, &plan, Duration::from_millis(300)).await;
     assert!(ledger.rows().await.is_empty());
 
     let tally = Tally::default();
-    let consumer = ledger
-        .consumer("billing", Arc::clone(&plan))
-        .on_outcome(tally.hook())
-        .build()
-        .unwrap();
+    let consumer = tally.build(ledger.consumer("billing", Arc::clone(&plan)));
     let deliveries = Deliveries::default();
     let source = deliveries.wrap(NatsSource::connect(config.clone()).await.unwrap());
-    run_until(&consumer, source, Duration::from_secs(15), || {
-        tally.finals() >= 1
-    })
-    .await;
+    run_until_settled(&consumer, source, &tally, 1, Duration::from_secs(15)).await;
     assert_eq!(tally.count(OutcomeKind::Processed), 1);
     assert_eq!(plan.calls.load(Ordering::SeqCst), 2);
     assert_eq!(
@@ -441,42 +245,18 @@ async fn retries_wait_for_the_nak_delay_and_end_on_the_dead_letter_subject() {
         .ack_wait(Duration::from_secs(6))
         .max_deliver(5)
         .dead_letter_subject(format!("{name}.dead"));
-    publish(
-        &config,
-        &[
-            payment(
-                "m-flaky",
-                "p-flaky",
-                3,
-                serde_json::json!({ "fail": "retry", "fail_times": 2 }),
-            ),
-            payment("m-bad", "p-bad", 4, serde_json::json!({ "fail": "retry" })),
-            payment("m-ok", "p-ok", 5, serde_json::json!({})),
-        ],
-    )
-    .await;
+    let mut messages = support::flaky_and_bad().to_vec();
+    messages.push(payment("m-ok", "p-ok", 5, serde_json::json!({})));
+    publish(&config, &messages).await;
 
     let tally = Tally::default();
     let plan = Arc::new(Plan::default());
     // A 2 s backoff: far from both an immediate redelivery and the 6 s ack_wait.
-    let retry = RetryPolicy {
-        initial_backoff: Duration::from_secs(2),
-        max_backoff: Duration::from_secs(2),
-        multiplier: 1.0,
-        ..support::fast_retry()
-    };
-    let consumer = ledger
-        .consumer("billing", Arc::clone(&plan))
-        .retry(retry)
-        .on_outcome(tally.hook())
-        .build()
-        .unwrap();
+    let retry = support::fixed_backoff(Duration::from_secs(2));
+    let consumer = tally.build(ledger.consumer("billing", Arc::clone(&plan)).retry(retry));
     let deliveries = Deliveries::default();
     let source = deliveries.wrap(NatsSource::connect(config.clone()).await.unwrap());
-    run_until(&consumer, source, Duration::from_secs(20), || {
-        tally.finals() >= 3
-    })
-    .await;
+    run_until_settled(&consumer, source, &tally, 3, Duration::from_secs(20)).await;
 
     ledger
         .assert_exactly_once(&BTreeMap::from([
@@ -492,15 +272,12 @@ async fn retries_wait_for_the_nak_delay_and_end_on_the_dead_letter_subject() {
     let bad = tally.of("p-bad");
     assert!(ok[0].0 < bad[1].0, "p-ok waited for p-bad's retries");
     for key in ["p-flaky", "p-bad"] {
-        let outcomes = tally.of(key);
-        assert_eq!(outcomes.len(), 3, "{key}: {outcomes:?}");
-        for pair in outcomes.windows(2) {
-            let gap = pair[1].0 - pair[0].0;
-            assert!(
-                gap >= Duration::from_millis(1900) && gap < Duration::from_millis(5000),
-                "{key}: redelivered after {gap:?}, not after the nak's 2 s delay"
-            );
-        }
+        tally.assert_gaps(
+            key,
+            3,
+            Duration::from_millis(1900)..Duration::from_millis(5000),
+            "the nak's 2 s delay",
+        );
     }
     assert_dead_lettered(
         &ledger.dead_letters().await,
@@ -539,27 +316,15 @@ async fn competing_consumers_apply_every_message_once() {
     let total = w.messages.len();
     let mut runs = Vec::new();
     for seen in &deliveries {
-        let consumer = ledger
-            .consumer("billing", Arc::clone(&plan))
-            .concurrency(3)
-            .on_outcome(tally.hook())
-            .build()
-            .unwrap();
-        let source = seen.wrap(NatsSource::connect(config.clone()).await.unwrap());
-        let tally = tally.clone();
-        runs.push(tokio::spawn(async move {
-            run_until(&consumer, source, Duration::from_secs(30), || {
-                tally.finals() >= total
-            })
-            .await
-        }));
+        let consumer = tally.build(ledger.consumer("billing", Arc::clone(&plan)).concurrency(3));
+        runs.push((
+            consumer,
+            seen.wrap(NatsSource::connect(config.clone()).await.unwrap()),
+        ));
     }
-    for run in runs {
-        run.await.unwrap();
-    }
+    support::run_all_until_settled(runs, &tally, total, Duration::from_secs(30)).await;
     ledger.assert_exactly_once(&w.expected).await;
-    assert_eq!(tally.count(OutcomeKind::Processed), w.expected.len());
-    assert_eq!(tally.count(OutcomeKind::Duplicate), w.duplicates);
+    tally.assert_workload(&w);
     let per_consumer: Vec<u32> = deliveries.iter().map(Deliveries::total).collect();
     assert_eq!(
         per_consumer.iter().sum::<u32>(),
@@ -578,20 +343,17 @@ async fn competing_consumers_apply_every_message_once() {
 async fn a_handler_slower_than_ack_wait_keeps_its_message() {
     let ledger = Ledger::new().await;
     let config = config(&support::unique("slow")); // 2 s ack_wait
-    let mut messages = vec![payment(
-        "m-slow",
-        "p-slow",
-        9,
-        serde_json::json!({ "sleep_ms": 6000 }),
-    )];
-    messages.extend((0..4).map(|i| {
+    let (mut messages, mut expected) = payments(4, serde_json::json!({}));
+    messages.insert(
+        0,
         payment(
-            &format!("m-{i}"),
-            &format!("p-{i}"),
-            i + 1,
-            serde_json::json!({}),
-        )
-    }));
+            "m-slow",
+            "p-slow",
+            9,
+            serde_json::json!({ "sleep_ms": 6000 }),
+        ),
+    );
+    expected.insert("p-slow".into(), 9);
     publish(&config, &messages).await;
 
     // Two clients pull from the consumer: a lapsed ack_wait would hand the
@@ -601,23 +363,13 @@ async fn a_handler_slower_than_ack_wait_keeps_its_message() {
     let plan = Arc::new(Plan::default());
     let mut runs = Vec::new();
     for _ in 0..2 {
-        let consumer = ledger
-            .consumer("billing", Arc::clone(&plan))
-            .on_outcome(tally.hook())
-            .build()
-            .unwrap();
-        let source = deliveries.wrap(NatsSource::connect(config.clone()).await.unwrap());
-        let tally = tally.clone();
-        runs.push(tokio::spawn(async move {
-            run_until(&consumer, source, Duration::from_secs(15), || {
-                tally.finals() >= 5
-            })
-            .await
-        }));
+        let consumer = tally.build(ledger.consumer("billing", Arc::clone(&plan)));
+        runs.push((
+            consumer,
+            deliveries.wrap(NatsSource::connect(config.clone()).await.unwrap()),
+        ));
     }
-    for run in runs {
-        run.await.unwrap();
-    }
+    support::run_all_until_settled(runs, &tally, 5, Duration::from_secs(15)).await;
     assert_eq!(
         deliveries.get("p-slow"),
         (1, 1),
@@ -625,8 +377,6 @@ async fn a_handler_slower_than_ack_wait_keeps_its_message() {
     );
     assert_eq!(deliveries.total(), 5);
     assert_eq!(plan.calls.load(Ordering::SeqCst), 5);
-    let mut expected: BTreeMap<String, i64> = (0..4).map(|i| (format!("p-{i}"), i + 1)).collect();
-    expected.insert("p-slow".into(), 9);
     ledger.assert_exactly_once(&expected).await;
     delete_streams(&config).await;
     ledger.cleanup().await;

@@ -2,22 +2,26 @@
 //! ledger that the handler writes through the claim's transaction, a handler
 //! with scripted failures, a workload with both kinds of duplicates and some
 //! poison, a source wrapper that "crashes" after the commit and before the
-//! ack, and the exactly-once check.
+//! ack, and the exactly-once check; for the broker tests also an outcome
+//! recorder ([`Tally`]), a delivery recorder ([`Deliveries`]), runners that
+//! stop a consumer once enough outcomes are in, a consumer killed inside its
+//! handler, publishing, and the checks of dead-letter copies.
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use idemq::source::{Acknowledger, Delivery, Source};
+use idemq::source::{Acknowledger, Delivery, Publisher, Source};
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::sql::SqlOptions;
-use idemq::store::{DeadLetterReason, DeadLetterRecord, StoreAdmin};
+use idemq::store::{DeadLetterReason, DeadLetterRecord, Store, StoreAdmin};
 use idemq::{
-    handler_fn, ConsumerBuilder, HandlerError, HandlerResult, KeySpec, Message, RetryPolicy,
-    SourceError,
+    handler_fn, Consumer, ConsumerBuilder, HandlerError, HandlerResult, KeySpec, Message, Outcome,
+    OutcomeKind, RetryPolicy, SourceError, Summary,
 };
 
 /// The PostgreSQL store's transaction, which the ledger handler writes through.
@@ -392,4 +396,366 @@ impl<S: Source> Source for SwallowAcks<S> {
             None => delivery,
         }))
     }
+}
+
+/// `n` payments `m-{i}` / `p-{i}` with amounts `i + 1` and the `extra`
+/// payload fields, and the ledger they must leave (key → amount).
+pub fn payments(n: usize, extra: serde_json::Value) -> (Vec<Message>, BTreeMap<String, i64>) {
+    let messages = (0..n)
+        .map(|i| {
+            payment(
+                &format!("m-{i}"),
+                &format!("p-{i}"),
+                i as i64 + 1,
+                extra.clone(),
+            )
+        })
+        .collect();
+    let expected = (0..n).map(|i| (format!("p-{i}"), i as i64 + 1)).collect();
+    (messages, expected)
+}
+
+/// Publishes `messages` in order, then flushes the publisher.
+pub async fn publish_all(publisher: &impl Publisher, messages: &[Message]) {
+    for m in messages {
+        publisher.publish(m).await.expect("publish");
+    }
+    publisher.flush().await.expect("flush the publisher");
+}
+
+/// The key an outcome is about, where it has one.
+pub fn outcome_key(outcome: &Outcome) -> Option<String> {
+    match outcome {
+        Outcome::Processed { key, .. } => Some(key.clone()),
+        Outcome::Duplicate { record } | Outcome::Conflict { record, .. } => {
+            Some(record.key.clone())
+        }
+        Outcome::RetryLater { key, .. } | Outcome::DeadLettered { key, .. } => key.clone(),
+    }
+}
+
+/// Every outcome with its time, shared by the consumers of one test.
+#[derive(Clone, Default)]
+pub struct Tally(Arc<Mutex<Vec<TallyEntry>>>);
+
+/// When, what, and for which key.
+pub type TallyEntry = (Instant, OutcomeKind, Option<String>);
+
+impl Tally {
+    /// The `on_outcome` hook that records into this tally.
+    pub fn hook(&self) -> impl Fn(&Outcome) + Send + Sync + 'static {
+        let all = Arc::clone(&self.0);
+        move |o: &Outcome| {
+            all.lock()
+                .unwrap()
+                .push((Instant::now(), o.kind(), outcome_key(o)))
+        }
+    }
+
+    /// Builds `builder` with this tally's hook on its outcomes.
+    pub fn build<S: Store>(&self, builder: ConsumerBuilder<S>) -> Consumer<S> {
+        builder.on_outcome(self.hook()).build().unwrap()
+    }
+
+    /// All outcomes so far, retry-later included.
+    pub fn total(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+
+    /// Outcomes that end a delivery for good (everything but retry-later).
+    pub fn finals(&self) -> usize {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, k, ..)| *k != OutcomeKind::RetryLater)
+            .count()
+    }
+
+    /// Outcomes of `kind`.
+    pub fn count(&self, kind: OutcomeKind) -> usize {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, k, ..)| *k == kind)
+            .count()
+    }
+
+    /// (time, kind) of every outcome of `key`, in order.
+    pub fn of(&self, key: &str) -> Vec<(Instant, OutcomeKind)> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, _, k)| k.as_deref() == Some(key))
+            .map(|(t, kind, ..)| (*t, *kind))
+            .collect()
+    }
+
+    /// The keys processed, in the order of their outcomes.
+    pub fn processed_keys(&self) -> Vec<String> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, k, ..)| *k == OutcomeKind::Processed)
+            .filter_map(|(_, _, key)| key.clone())
+            .collect()
+    }
+
+    /// One outcome per expected key was processed, one per extra copy was a
+    /// duplicate, and one per poison message was dead-lettered.
+    pub fn assert_workload(&self, work: &Workload) {
+        assert_eq!(self.count(OutcomeKind::Processed), work.expected.len());
+        assert_eq!(self.count(OutcomeKind::Duplicate), work.duplicates);
+        assert_eq!(self.count(OutcomeKind::DeadLettered), work.poison.len());
+    }
+
+    /// `key` had `outcomes` outcomes, each one a `gap` after the one before
+    /// (the redelivery delay); `cause` names the delay that should have
+    /// caused the gaps.
+    pub fn assert_gaps(&self, key: &str, outcomes: usize, gap: Range<Duration>, cause: &str) {
+        let all = self.of(key);
+        assert_eq!(all.len(), outcomes, "{key}: {all:?}");
+        for pair in all.windows(2) {
+            let after = pair[1].0 - pair[0].0;
+            assert!(
+                gap.contains(&after),
+                "{key}: redelivered after {after:?}, not after {cause}"
+            );
+        }
+    }
+}
+
+/// One delivery as a source handed it out.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    /// The message key (empty if none).
+    pub key: String,
+    /// The delivery count the source reported.
+    pub count: u32,
+    /// The message headers, as text.
+    pub headers: BTreeMap<String, String>,
+    /// When the source handed it out.
+    pub at: Instant,
+}
+
+/// Records the deliveries the sources it wraps hand out.
+#[derive(Clone, Default)]
+pub struct Deliveries(Arc<Mutex<Vec<Seen>>>);
+
+impl Deliveries {
+    /// Wraps `inner` so that its deliveries are recorded here.
+    pub fn wrap<S: Source>(&self, inner: S) -> Recorded<S> {
+        Recorded {
+            inner,
+            seen: self.clone(),
+        }
+    }
+
+    /// (deliveries, highest delivery count) of `key`.
+    pub fn get(&self, key: &str) -> (u32, u32) {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.key == key)
+            .fold((0, 0), |(n, max), s| (n + 1, max.max(s.count)))
+    }
+
+    /// Deliveries of all keys.
+    pub fn total(&self) -> u32 {
+        self.0.lock().unwrap().len() as u32
+    }
+
+    /// Every delivery, in order.
+    pub fn log(&self) -> Vec<Seen> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// A source whose deliveries are recorded in a [`Deliveries`].
+pub struct Recorded<S> {
+    inner: S,
+    seen: Deliveries,
+}
+
+#[async_trait]
+impl<S: Source> Source for Recorded<S> {
+    async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
+        let delivery = self.inner.next().await?;
+        if let Some(d) = &delivery {
+            self.seen.0.lock().unwrap().push(Seen {
+                key: d.message.key.clone().unwrap_or_default(),
+                count: d.meta.delivery_count,
+                headers: d
+                    .message
+                    .headers
+                    .iter()
+                    .map(|(k, v)| (k.to_owned(), String::from_utf8_lossy(v).into_owned()))
+                    .collect(),
+                at: Instant::now(),
+            });
+        }
+        Ok(delivery)
+    }
+}
+
+/// Polls `done` every 20 ms until it holds or `limit` passes; whether it held.
+pub async fn wait_until(limit: Duration, done: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
+}
+
+/// Runs `consumer` over `source` until `done` holds, then stops it (the
+/// deliveries in flight are finished) and returns its summary; panics if
+/// `done` does not hold within `limit`.
+pub async fn run_until<S: Store>(
+    consumer: &Consumer<S>,
+    source: impl Source,
+    limit: Duration,
+    done: impl Fn() -> bool,
+) -> Summary {
+    let summary = consumer
+        .run_until(source, async {
+            wait_until(limit, &done).await;
+        })
+        .await
+        .unwrap();
+    assert!(done(), "not done within {limit:?}: {summary}");
+    summary
+}
+
+/// [`run_until`] `tally` (hooked to `consumer`) holds `n` final outcomes.
+pub async fn run_until_settled<S: Store>(
+    consumer: &Consumer<S>,
+    source: impl Source,
+    tally: &Tally,
+    n: usize,
+    limit: Duration,
+) -> Summary {
+    run_until(consumer, source, limit, || tally.finals() >= n).await
+}
+
+/// Runs every consumer over its source at once, each in a task of its own,
+/// until `tally` (hooked to all of them) holds `n` final outcomes; panics if
+/// that takes longer than `limit`.
+pub async fn run_all_until_settled<S: Source + 'static>(
+    runs: Vec<(Consumer<PostgresStore>, S)>,
+    tally: &Tally,
+    n: usize,
+    limit: Duration,
+) -> Vec<Summary> {
+    let tasks: Vec<_> = runs
+        .into_iter()
+        .map(|(consumer, source)| {
+            let tally = tally.clone();
+            tokio::spawn(
+                async move { run_until_settled(&consumer, source, &tally, n, limit).await },
+            )
+        })
+        .collect();
+    let mut summaries = Vec::new();
+    for task in tasks {
+        summaries.push(task.await.unwrap());
+    }
+    summaries
+}
+
+/// Runs `consumer` over `source` in a task, waits until `plan`'s handler was
+/// called (panics after 30 s) and `grace` more, then kills the task: the
+/// consumer dies inside the handler, before the commit, and its source and
+/// connection go without settling anything.
+pub async fn kill_inside_handler(
+    consumer: &Consumer<PostgresStore>,
+    source: impl Source + 'static,
+    plan: &Plan,
+    grace: Duration,
+) {
+    let run = tokio::spawn({
+        let consumer = consumer.clone();
+        async move { consumer.run(source).await }
+    });
+    assert!(
+        wait_until(Duration::from_secs(30), || plan
+            .calls
+            .load(Ordering::SeqCst)
+            > 0)
+        .await,
+        "the handler was never called"
+    );
+    tokio::time::sleep(grace).await;
+    run.abort();
+    assert!(run.await.unwrap_err().is_cancelled());
+}
+
+/// Takes `n` messages from `source` (each within 10 s) and acks them: for
+/// reading a dead-letter destination.
+pub async fn receive(source: &mut impl Source, n: usize) -> Vec<Message> {
+    let mut got = Vec::new();
+    while got.len() < n {
+        let delivery = tokio::time::timeout(Duration::from_secs(10), source.next())
+            .await
+            .expect("message in time")
+            .unwrap()
+            .unwrap();
+        let (message, _, _, acker) = delivery.into_parts();
+        acker.ack().await.unwrap();
+        got.push(message);
+    }
+    got
+}
+
+/// `copies` (read from a dead-letter destination) are the poison payments of
+/// [`workload`] with keys `keys`: each with its key, id, `event_id` header
+/// and payload, and `reason` in the header `reason_header`.
+pub fn assert_dead_letter_copies(
+    copies: &[Message],
+    keys: &[String],
+    reason_header: &str,
+    reason: &str,
+) {
+    let mut copies = copies.to_vec();
+    copies.sort_by(|a, b| a.key.cmp(&b.key));
+    let mut keys = keys.to_vec();
+    keys.sort();
+    assert_eq!(copies.len(), keys.len(), "{copies:?}");
+    for (copy, key) in copies.iter().zip(&keys) {
+        assert_eq!(copy.key.as_deref(), Some(key.as_str()));
+        assert_eq!(copy.id, Some(format!("m-{key}")));
+        assert_eq!(copy.headers.get(reason_header), Some(reason.as_bytes()));
+        assert_eq!(copy.headers.get("event_id"), Some(key.as_bytes()));
+        assert_eq!(copy.json().unwrap()["payment_id"], key.as_str());
+    }
+}
+
+/// `fast_retry` with a fixed backoff of `delay` between attempts.
+pub fn fixed_backoff(delay: Duration) -> RetryPolicy {
+    RetryPolicy {
+        initial_backoff: delay,
+        max_backoff: delay,
+        multiplier: 1.0,
+        ..fast_retry()
+    }
+}
+
+/// Two payments for the retry tests: `p-flaky` (amount 3) fails twice and
+/// then succeeds, `p-bad` (amount 4) always fails retryably.
+pub fn flaky_and_bad() -> [Message; 2] {
+    [
+        payment(
+            "m-flaky",
+            "p-flaky",
+            3,
+            serde_json::json!({ "fail": "retry", "fail_times": 2 }),
+        ),
+        payment("m-bad", "p-bad", 4, serde_json::json!({ "fail": "retry" })),
+    ]
 }
