@@ -9,17 +9,29 @@ use std::time::Duration;
 use idemq::source::queue::MemoryQueue;
 use idemq::source::Source;
 use idemq::store::memory::MemoryStore;
+use idemq::store::Store;
 use idemq::{Consumer, HandlerError, InFlightPolicy, KeySpec, Message, Outcome};
 
-/// A consumer whose handler sleeps `sleep` and returns the payload's amount.
+/// A consumer over the memory store whose handler sleeps `sleep` and
+/// returns the payload's amount.
 fn consumer(
     policy: InFlightPolicy,
     sleep: Duration,
     lease: Duration,
 ) -> (Consumer<MemoryStore>, Arc<AtomicU32>) {
+    consumer_over(MemoryStore::new(), policy, sleep, lease)
+}
+
+/// The same consumer over any store.
+fn consumer_over<S: Store>(
+    store: S,
+    policy: InFlightPolicy,
+    sleep: Duration,
+    lease: Duration,
+) -> (Consumer<S>, Arc<AtomicU32>) {
     let calls = Arc::new(AtomicU32::new(0));
     let counted = Arc::clone(&calls);
-    let consumer = Consumer::builder("in-flight", MemoryStore::new())
+    let consumer = Consumer::builder("in-flight", store)
         .key(KeySpec::json("/id"))
         .in_flight(policy)
         .lease(lease)
@@ -38,7 +50,7 @@ fn consumer(
 }
 
 /// Processes two copies of one message, the second 50 ms after the first.
-async fn two_copies(consumer: &Consumer<MemoryStore>) -> (Outcome, Outcome) {
+async fn two_copies<S: Store>(consumer: &Consumer<S>) -> (Outcome, Outcome) {
     let queue = MemoryQueue::new("q");
     let msg = Message::new(r#"{"id":"k-1","amount":7}"#);
     queue.push(msg.clone());
@@ -113,4 +125,58 @@ async fn a_zero_poll_interval_is_refused() {
         .handler_fn(|_, _| Box::pin(async { Ok(None) }))
         .build();
     assert!(result.is_err());
+}
+
+/// The same policies over the Redis lease store (feature `redis`).
+#[cfg(feature = "redis")]
+mod redis {
+    use super::*;
+    use idemq::store::redis::{RedisOptions, RedisStore};
+
+    async fn store() -> RedisStore {
+        let prefix = format!("inflight{}x{}", std::process::id(), fastrand::u32(..));
+        RedisStore::connect_with(
+            "redis://127.0.0.1:6379",
+            RedisOptions::default().prefix(prefix),
+        )
+        .await
+        .expect("Redis on 127.0.0.1:6379")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn wait_returns_the_first_copys_stored_result() {
+        let policy = InFlightPolicy::wait(Duration::from_secs(5));
+        let (consumer, calls) = consumer_over(
+            store().await,
+            policy,
+            Duration::from_millis(300),
+            Duration::from_secs(30),
+        );
+        let (first, second) = two_copies(&consumer).await;
+        assert!(matches!(first, Outcome::Processed { .. }), "{first:?}");
+        match second {
+            Outcome::Duplicate { record } => {
+                assert_eq!(record.result, Some(serde_json::json!({ "amount": 7 })))
+            }
+            other => panic!("expected a duplicate, got {other:?}"),
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reject_retries_the_duplicate_later() {
+        let (consumer, calls) = consumer_over(
+            store().await,
+            InFlightPolicy::Reject,
+            Duration::from_millis(300),
+            Duration::from_secs(30),
+        );
+        let (first, second) = two_copies(&consumer).await;
+        assert!(matches!(first, Outcome::Processed { .. }), "{first:?}");
+        assert!(
+            matches!(second, Outcome::RetryLater { attempts: 0, .. }),
+            "{second:?}"
+        );
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
 }
