@@ -858,57 +858,55 @@ fn consume_mixed_types(store: &str, id_type: &str) -> (String, String) {
     (table, prefix)
 }
 
-#[cfg(feature = "postgres")]
-#[tokio::test]
-async fn postgres_binds_differently_typed_values_per_message() {
-    let url = std::env::var("IDEMQ_TEST_POSTGRES")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
-    let (table, prefix) = consume_mixed_types(&url, "TEXT");
-    let pool = sqlx::PgPool::connect(&url).await.expect("connect postgres");
-    let rows = sqlx::query_as::<_, (String, Option<String>, Option<String>)>(&format!(
-        "SELECT id, amount::text, note FROM {table} ORDER BY id"
-    ))
-    .fetch_all(&pool)
-    .await
-    .expect("read table");
-    assert_eq!(
-        rows,
-        [
-            ("a".into(), Some("5.00".into()), Some("x".into())),
-            ("b".into(), Some("2.50".into()), None),
-            ("c".into(), None, Some("z".into())),
-        ]
-    );
-    drop_tables(&pool, &table, &prefix).await;
-    pool.close().await;
+/// One test per database: three messages bind text, a decimal string and
+/// NULL to the same parameters; the rows read back as text must match.
+macro_rules! mixed_types_test {
+    ($name:ident, $feature:literal, $env:literal, $default:literal, $id_type:literal, $pool:ty, $amount:literal) => {
+        #[cfg(feature = $feature)]
+        #[tokio::test]
+        async fn $name() {
+            let url = std::env::var($env).unwrap_or_else(|_| $default.to_owned());
+            let (table, prefix) = consume_mixed_types(&url, $id_type);
+            let pool = <$pool>::connect(&url).await.expect("connect");
+            let rows = sqlx::query_as::<_, (String, Option<String>, Option<String>)>(&format!(
+                "SELECT id, {}, note FROM {table} ORDER BY id",
+                $amount
+            ))
+            .fetch_all(&pool)
+            .await
+            .expect("read table");
+            assert_eq!(
+                rows,
+                [
+                    ("a".into(), Some("5.00".into()), Some("x".into())),
+                    ("b".into(), Some("2.50".into()), None),
+                    ("c".into(), None, Some("z".into())),
+                ]
+            );
+            drop_tables(&pool, &table, &prefix).await;
+            pool.close().await;
+        }
+    };
 }
 
-#[cfg(feature = "mysql")]
-#[tokio::test]
-async fn mariadb_binds_differently_typed_values_per_message() {
-    let url = std::env::var("IDEMQ_TEST_MYSQL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
-    let (table, prefix) = consume_mixed_types(&url, "VARCHAR(64)");
-    let pool = sqlx::MySqlPool::connect(&url)
-        .await
-        .expect("connect mariadb");
-    let rows = sqlx::query_as::<_, (String, Option<String>, Option<String>)>(&format!(
-        "SELECT id, CAST(amount AS CHAR), note FROM {table} ORDER BY id"
-    ))
-    .fetch_all(&pool)
-    .await
-    .expect("read table");
-    assert_eq!(
-        rows,
-        [
-            ("a".into(), Some("5.00".into()), Some("x".into())),
-            ("b".into(), Some("2.50".into()), None),
-            ("c".into(), None, Some("z".into())),
-        ]
-    );
-    drop_tables(&pool, &table, &prefix).await;
-    pool.close().await;
-}
+mixed_types_test!(
+    postgres_binds_differently_typed_values_per_message,
+    "postgres",
+    "IDEMQ_TEST_POSTGRES",
+    "postgres://postgres@127.0.0.1:5432/test",
+    "TEXT",
+    sqlx::PgPool,
+    "amount::text"
+);
+mixed_types_test!(
+    mariadb_binds_differently_typed_values_per_message,
+    "mysql",
+    "IDEMQ_TEST_MYSQL",
+    "mysql://root@127.0.0.1:3306/test",
+    "VARCHAR(64)",
+    sqlx::MySqlPool,
+    "CAST(amount AS CHAR)"
+);
 
 /// Drops a test's tables (best effort).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
