@@ -37,6 +37,8 @@
 //! - [`key`], [`fingerprint`]: the business key and the payload fingerprint;
 //! - [`store`]: [`Store::claim`](store::Store::claim) inserts the key first;
 //! - [`engine`]: runs the [`Handler`] and commits, then acks;
+//! - [`effect`]: derived idempotency keys and the effect journal for calls
+//!   to other systems;
 //! - [`outcome`]: every message ends as one [`Outcome`];
 //! - [`retention`]: pruning old inbox rows.
 //!
@@ -44,6 +46,7 @@
 
 #![warn(missing_docs)]
 
+pub mod effect;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;
@@ -56,6 +59,7 @@ pub mod source;
 pub mod store;
 pub mod template;
 
+pub use effect::{idempotency_key, EffectJournal};
 pub use engine::{handler_fn, Consumer, ConsumerBuilder, Context, Handler, HandlerResult};
 pub use error::{ConfigError, HandlerError, InputError, SourceError, StoreError};
 pub use fingerprint::FingerprintSpec;

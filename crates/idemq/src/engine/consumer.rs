@@ -415,6 +415,7 @@ impl<S: Store> Consumer<S> {
             message,
             meta,
             attempt: meta.delivery_count.max(1),
+            journal: inner.store.journal(),
         };
         let started = Instant::now();
         let result = {

@@ -1,7 +1,11 @@
 //! Handlers: the user's code that applies a message's effects.
 
-use futures_util::future::BoxFuture;
+use std::future::Future;
 
+use futures_util::future::BoxFuture;
+use uuid::Uuid;
+
+use crate::effect::EffectJournal;
 use crate::error::HandlerError;
 use crate::message::{DeliveryMeta, Message};
 
@@ -10,7 +14,7 @@ use crate::message::{DeliveryMeta, Message};
 pub type HandlerResult = Result<Option<serde_json::Value>, HandlerError>;
 
 /// Everything a handler knows about the message it handles.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct Context<'a> {
     /// The consumer name.
     pub consumer: &'a str,
@@ -25,6 +29,78 @@ pub struct Context<'a> {
     /// This attempt's number: failed attempts counted so far + 1, as far as
     /// this process has seen (the store keeps the authoritative count).
     pub attempt: u32,
+    /// The store's effect journal ([`Store::journal`](crate::store::Store::journal)),
+    /// used by [`effect`](Self::effect); `None` if the store keeps none.
+    pub journal: Option<&'a dyn EffectJournal>,
+}
+
+impl std::fmt::Debug for Context<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("consumer", &self.consumer)
+            .field("key", &self.key)
+            .field("fingerprint", &self.fingerprint)
+            .field("message", &self.message)
+            .field("meta", &self.meta)
+            .field("attempt", &self.attempt)
+            .field("journal", &self.journal.is_some())
+            .finish()
+    }
+}
+
+impl Context<'_> {
+    /// The idempotency key of `step` for this message: the same on every
+    /// redelivery and in every process, for the same consumer, key and step;
+    /// different for different steps. Send it to the other system so that
+    /// it can deduplicate a repeated call.
+    ///
+    /// `UUIDv5(`[`NAMESPACE`](crate::effect::NAMESPACE)`, consumer 0x00 key
+    /// 0x00 step)` over the UTF-8 bytes; see [`effect`](crate::effect) for
+    /// the exact derivation and a test vector.
+    pub fn idempotency_key(&self, step: &str) -> Uuid {
+        crate::effect::idempotency_key(self.consumer, self.key, step)
+    }
+
+    /// Runs an external call at most once per (consumer, key, `step`) as far
+    /// as idemq can see.
+    ///
+    /// If the store's journal holds a result for the step, it is returned
+    /// without calling. Otherwise `call` gets the step's
+    /// [`idempotency_key`](Self::idempotency_key) (send it to the provider)
+    /// and, if it succeeds, its result is serialized and written to the
+    /// journal, committed on its own (not in the handler's transaction, which
+    /// may still roll back), and the stored result is returned (another
+    /// worker's, if it stored one first). A failing call returns its error
+    /// and is not journaled. A crash between the call and the journal write
+    /// is covered only by the provider honouring the key.
+    ///
+    /// Errors: journal failures are retryable; an invalid step name (empty,
+    /// over 128 bytes, control characters), a store without a journal or an
+    /// unserializable result are permanent.
+    ///
+    /// ```no_run
+    /// # use idemq::{Context, HandlerError};
+    /// # async fn demo(ctx: &Context<'_>) -> Result<(), HandlerError> {
+    /// let receipt = ctx
+    ///     .effect("charge", |key| async move {
+    ///         // e.g. an HTTP call with the header `Idempotency-Key: {key}`
+    ///         Ok::<_, HandlerError>(serde_json::json!({ "charge_id": key.to_string() }))
+    ///     })
+    ///     .await?;
+    /// # let _ = receipt; Ok(()) }
+    /// ```
+    pub async fn effect<T, F, Fut>(
+        &self,
+        step: &str,
+        call: F,
+    ) -> Result<serde_json::Value, HandlerError>
+    where
+        T: serde::Serialize,
+        F: FnOnce(Uuid) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError>>,
+    {
+        crate::effect::run(self.journal, self.consumer, self.key, step, call).await
+    }
 }
 
 /// Applies one message's effects. `Tx` is the store's transaction (SQL

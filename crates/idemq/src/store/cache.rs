@@ -178,6 +178,10 @@ impl<S> CachedStore<S> {
 impl<S: Store> Store for CachedStore<S> {
     type Tx = S::Tx;
 
+    fn journal(&self) -> Option<&dyn crate::effect::EffectJournal> {
+        self.inner.journal()
+    }
+
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim<S::Tx>, StoreError> {
         if let Some(record) = self.local_get(req.consumer, req.key) {
             metrics::counter!("idemq_cache_hits_total", "layer" => "local").increment(1);

@@ -18,6 +18,7 @@ use super::{
     now_ms, AttemptRecord, Claim, ClaimRequest, ConsumerStats, DeadLetter, DeadLetterRecord,
     InboxRecord, KeyReport, Store, StoreAdmin,
 };
+use crate::effect::EffectJournal;
 use crate::error::StoreError;
 
 /// A held lease on a key: what a handler gets from the memory store.
@@ -55,6 +56,8 @@ struct State {
     dead_letters: BTreeMap<i64, DeadLetterRecord>,
     next_dead_letter_id: i64,
     next_token: u64,
+    /// The effect journal: (consumer, key, step) → (result, written at ms).
+    effects: HashMap<(String, String, String), (serde_json::Value, i64)>,
 }
 
 /// An in-process lease store. Cloning shares the same state.
@@ -215,6 +218,40 @@ impl Store for MemoryStore {
         }
         Ok(())
     }
+
+    fn journal(&self) -> Option<&dyn EffectJournal> {
+        Some(self)
+    }
+}
+
+/// The journal lives with the keys: as long as the process (or until pruned).
+#[async_trait]
+impl EffectJournal for MemoryStore {
+    async fn get(
+        &self,
+        consumer: &str,
+        key: &str,
+        step: &str,
+    ) -> Result<Option<serde_json::Value>, StoreError> {
+        let id = (consumer.to_owned(), key.to_owned(), step.to_owned());
+        Ok(self.state().effects.get(&id).map(|(v, _)| v.clone()))
+    }
+
+    async fn put(
+        &self,
+        consumer: &str,
+        key: &str,
+        step: &str,
+        result: &serde_json::Value,
+    ) -> Result<serde_json::Value, StoreError> {
+        let id = (consumer.to_owned(), key.to_owned(), step.to_owned());
+        let mut state = self.state();
+        let (stored, _) = state
+            .effects
+            .entry(id)
+            .or_insert_with(|| (result.clone(), now_ms()));
+        Ok(stored.clone())
+    }
 }
 
 #[async_trait]
@@ -236,7 +273,17 @@ impl StoreAdmin for MemoryStore {
             state.keys.remove(k);
         }
         state.attempts.retain(|_, a| a.last_failed_ms >= cutoff_ms);
-        Ok(old.len() as u64)
+        let old_effects: Vec<_> = state
+            .effects
+            .iter()
+            .filter(|(_, (_, written))| *written < cutoff_ms)
+            .map(|(k, _)| k.clone())
+            .take(batch as usize)
+            .collect();
+        for k in &old_effects {
+            state.effects.remove(k);
+        }
+        Ok(old.len().max(old_effects.len()) as u64)
     }
 
     async fn inspect(&self, consumer: &str, key: &str) -> Result<KeyReport, StoreError> {

@@ -14,6 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 
+use crate::effect::EffectJournal;
 use crate::error::{InputError, StoreError};
 use crate::message::{DeliveryMeta, Message};
 
@@ -219,6 +220,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// Writes a dead letter and clears the key's failed attempts.
     async fn dead_letter(&self, letter: &DeadLetter<'_>) -> Result<(), StoreError>;
+
+    /// The store's effect journal, if it keeps one: handed to handlers
+    /// through [`Context::effect`](crate::Context::effect). `None` by default.
+    fn journal(&self) -> Option<&dyn EffectJournal> {
+        None
+    }
 }
 
 /// One key's answer in a batch claim.
@@ -351,7 +358,10 @@ pub trait StoreAdmin: Send + Sync {
     async fn migrate(&self) -> Result<(), StoreError>;
 
     /// Deletes at most `batch` inbox rows (and stale attempt rows) first seen
-    /// before `cutoff_ms`; returns how many inbox rows went.
+    /// before `cutoff_ms`, and at most `batch` effect-journal rows written
+    /// before it; returns how many inbox rows went, or how many journal rows
+    /// if more of those went (so that calling it until it returns less than
+    /// `batch` drains both).
     async fn prune_batch(&self, cutoff_ms: i64, batch: u32) -> Result<u64, StoreError>;
 
     /// Everything known about one key.

@@ -61,6 +61,7 @@
 //! | `P:{C/K}:rec`           | string | `in-flight:<token>` (PX lease) or `done:{json}` (PX retention) |
 //! | `P:{C/K}:fence`         | hash   | `n` (fencing counter), `first_seen` while not done (PX retention) |
 //! | `P:{C/K}:att`           | hash   | failed attempts, last error, first/last failure (PX retention) |
+//! | `P:{C/K}:fx`            | hash   | the effect journal: step → result JSON, first write wins (PX retention, renewed on each write) |
 //! | `P:{c:C}:done`          | zset   | the consumer's done keys by first-seen time (for stats and prune; PX retention, trimmed past it on every commit) |
 //! | `P:{c:C}:failing`       | set    | the consumer's keys with counted failures (PX retention) |
 //! | `P:consumers`           | set    | consumer names seen (no TTL, one member per consumer) |
@@ -82,7 +83,9 @@
 //! - `migrate` is a no-op success: Redis needs no schema.
 //! - Processed records expire by themselves after the retention TTL.
 //!   `prune_batch` additionally deletes done records first seen before the
-//!   cutoff, via the per-consumer index (it counts index entries handled).
+//!   cutoff, with their effect journal, via the per-consumer index (it counts
+//!   index entries handled). A journal whose key never completed expires by
+//!   its TTL.
 //! - `stats` costs O(consumers) plus, per consumer, a check of the index
 //!   entries older than the retention window and of the failing keys (stale
 //!   entries whose record expired are removed as found).
@@ -124,6 +127,8 @@ use async_trait::async_trait;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, RedisError, RedisFuture, Script, ServerErrorKind, Value};
+
+use crate::effect::EffectJournal;
 
 use super::{
     dead_letter_message, now_ms, parse_result, AttemptRecord, Claim, ClaimRequest, ConsumerStats,
@@ -430,9 +435,16 @@ const PRUNE: &str = r#"
 local v = redis.call('GET', KEYS[1])
 if v and string.sub(v, 1, 5) == 'done:' then
   redis.call('DEL', KEYS[1])
+  if KEYS[2] then redis.call('DEL', KEYS[2]) end
   return 1
 end
 return 0
+"#;
+
+const EFFECT_PUT: &str = r#"
+redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return redis.call('HGET', KEYS[1], ARGV[1])
 "#;
 
 #[derive(Debug)]
@@ -446,6 +458,7 @@ struct Scripts {
     delete_dead_letter: Script,
     prune: Script,
     force_release: Script,
+    effect_put: Script,
 }
 
 impl Scripts {
@@ -460,6 +473,7 @@ impl Scripts {
             delete_dead_letter: Script::new(DELETE_DEAD_LETTER),
             prune: Script::new(PRUNE),
             force_release: Script::new(FORCE_RELEASE),
+            effect_put: Script::new(EFFECT_PUT),
         }
     }
 }
@@ -1052,6 +1066,55 @@ impl Store for RedisStore {
         }
         Ok(())
     }
+
+    fn journal(&self) -> Option<&dyn EffectJournal> {
+        Some(self)
+    }
+}
+
+/// The journal of a key is the hash `P:{C/K}:fx` (step → result JSON), in
+/// the key's slot, with the retention TTL renewed on every write.
+#[async_trait]
+impl EffectJournal for RedisStore {
+    async fn get(
+        &self,
+        consumer: &str,
+        key: &str,
+        step: &str,
+    ) -> Result<Option<serde_json::Value>, StoreError> {
+        let text: Option<String> = self
+            .query(
+                redis::cmd("HGET")
+                    .arg(self.keys.scoped(consumer, key, "fx"))
+                    .arg(step),
+            )
+            .await?;
+        Ok(parse_result(text))
+    }
+
+    async fn put(
+        &self,
+        consumer: &str,
+        key: &str,
+        step: &str,
+        result: &serde_json::Value,
+    ) -> Result<serde_json::Value, StoreError> {
+        let text: Option<String> = self
+            .scripts
+            .effect_put
+            .key(self.keys.scoped(consumer, key, "fx"))
+            .arg(step)
+            .arg(result.to_string())
+            .arg(millis(self.options.retention))
+            .invoke_async(&mut self.conn())
+            .await
+            .map_err(map_err)?;
+        parse_result(text).ok_or_else(|| {
+            StoreError::Transient(format!(
+                "effect {step:?} of key {key:?}: the journal entry vanished after writing it"
+            ))
+        })
+    }
 }
 
 #[async_trait]
@@ -1092,6 +1155,7 @@ impl StoreAdmin for RedisStore {
                     .scripts
                     .prune
                     .key(self.keys.scoped(&consumer, &member, "rec"))
+                    .key(self.keys.scoped(&consumer, &member, "fx"))
                     .invoke_async(&mut self.conn())
                     .await
                     .map_err(map_err)?;

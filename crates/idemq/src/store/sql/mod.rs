@@ -115,6 +115,83 @@ pub(crate) fn store_error(err: sqlx::Error) -> StoreError {
     }
 }
 
+/// Opens the pool the effect journal writes through: its own connections,
+/// so that a journal write commits on its own while the handler's
+/// transaction is open, and never waits for a connection a handler holds.
+pub(crate) trait JournalPool: sqlx::Database {
+    /// Opens it (lazily, where that is possible) next to `main`.
+    fn open_journal<'a>(
+        main: &'a sqlx::Pool<Self>,
+        queries: &'a Queries,
+    ) -> futures_util::future::BoxFuture<'a, Result<sqlx::Pool<Self>, sqlx::Error>>;
+}
+
+/// At most this many connections serve the journal of a server database.
+const JOURNAL_CONNECTIONS: u32 = 2;
+
+/// A small pool of its own on the same server (the v3 migration created the table).
+fn server_journal<DB: sqlx::Database>(main: &sqlx::Pool<DB>) -> sqlx::Pool<DB> {
+    sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(JOURNAL_CONNECTIONS)
+        .acquire_timeout(main.options().get_acquire_timeout())
+        .connect_lazy_with((*main.connect_options()).clone())
+}
+
+#[cfg(feature = "postgres")]
+impl JournalPool for sqlx::Postgres {
+    fn open_journal<'a>(
+        main: &'a sqlx::Pool<Self>,
+        _queries: &'a Queries,
+    ) -> futures_util::future::BoxFuture<'a, Result<sqlx::Pool<Self>, sqlx::Error>> {
+        Box::pin(async move { Ok(server_journal(main)) })
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl JournalPool for sqlx::MySql {
+    fn open_journal<'a>(
+        main: &'a sqlx::Pool<Self>,
+        _queries: &'a Queries,
+    ) -> futures_util::future::BoxFuture<'a, Result<sqlx::Pool<Self>, sqlx::Error>> {
+        Box::pin(async move { Ok(server_journal(main)) })
+    }
+}
+
+/// SQLite allows one writer per database file, and the handler's
+/// transaction holds the main file's write lock while it runs: the journal
+/// lives in a file of its own, `<main file>-effects` (an in-memory database
+/// gets an in-memory journal that lives as long as the store), created with
+/// its table when first used. Same pragmas as the main file.
+#[cfg(feature = "sqlite")]
+impl JournalPool for sqlx::Sqlite {
+    fn open_journal<'a>(
+        main: &'a sqlx::Pool<Self>,
+        queries: &'a Queries,
+    ) -> futures_util::future::BoxFuture<'a, Result<sqlx::Pool<Self>, sqlx::Error>> {
+        Box::pin(async move {
+            let options = (*main.connect_options()).clone();
+            let file = options.get_filename().to_string_lossy().into_owned();
+            // A private `:memory:` database stays one (kept alive below).
+            let file = if file == ":memory:" {
+                file
+            } else {
+                format!("{file}-effects")
+            };
+            let pool = sqlx::pool::PoolOptions::<sqlx::Sqlite>::new()
+                .max_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None)
+                .acquire_timeout(main.options().get_acquire_timeout())
+                .connect_with(options.filename(file))
+                .await?;
+            for step in &queries.effects_schema {
+                sqlx::query(step).execute(&pool).await?;
+            }
+            Ok(pool)
+        })
+    }
+}
+
 /// Generates a SQL store type over one sqlx database. Every dialect runs this
 /// same code; only the SQL text ([`Queries`]) and the pool setup differ.
 macro_rules! sql_store {
@@ -126,6 +203,7 @@ macro_rules! sql_store {
             queries: std::sync::Arc<$crate::store::sql::Queries>,
             batch: std::sync::Arc<$crate::store::sql::BatchQueries>,
             tables: $crate::store::sql::Tables,
+            journal: std::sync::Arc<tokio::sync::OnceCell<sqlx::Pool<$db>>>,
         }
 
         impl $store {
@@ -168,7 +246,21 @@ macro_rules! sql_store {
                     queries: std::sync::Arc::new(queries),
                     batch: std::sync::Arc::new(batch),
                     tables,
+                    journal: std::sync::Arc::new(tokio::sync::OnceCell::new()),
                 }
+            }
+
+            /// The effect journal's own pool, opened on first use.
+            async fn journal_pool(&self) -> Result<&sqlx::Pool<$db>, $crate::StoreError> {
+                self.journal
+                    .get_or_try_init(|| {
+                        <$db as $crate::store::sql::JournalPool>::open_journal(
+                            &self.pool,
+                            &self.queries,
+                        )
+                    })
+                    .await
+                    .map_err($crate::store::sql::store_error)
             }
 
             /// The connection pool.
@@ -396,6 +488,61 @@ macro_rules! sql_store {
                         .map_err(store_error)?;
                 }
                 tx.commit().await.map_err(store_error)
+            }
+
+            fn journal(&self) -> Option<&dyn $crate::effect::EffectJournal> {
+                Some(self)
+            }
+        }
+
+        /// The journal table `{prefix}effects`, written through a pool of its
+        /// own (each statement commits by itself), pruned with the inbox.
+        #[async_trait::async_trait]
+        impl $crate::effect::EffectJournal for $store {
+            async fn get(
+                &self,
+                consumer: &str,
+                key: &str,
+                step: &str,
+            ) -> Result<Option<serde_json::Value>, $crate::StoreError> {
+                use sqlx::Row;
+                let pool = self.journal_pool().await?;
+                let row = sqlx::query(&self.queries.effect_get)
+                    .bind(consumer)
+                    .bind(key)
+                    .bind(step)
+                    .fetch_optional(pool)
+                    .await
+                    .map_err($crate::store::sql::store_error)?;
+                row.map(|r| r.try_get::<String, _>(0))
+                    .transpose()
+                    .map(|text| $crate::store::parse_result(text))
+                    .map_err($crate::store::sql::store_error)
+            }
+
+            async fn put(
+                &self,
+                consumer: &str,
+                key: &str,
+                step: &str,
+                result: &serde_json::Value,
+            ) -> Result<serde_json::Value, $crate::StoreError> {
+                let pool = self.journal_pool().await?;
+                sqlx::query(&self.queries.effect_put)
+                    .bind(consumer)
+                    .bind(key)
+                    .bind(step)
+                    .bind(result.to_string())
+                    .bind($crate::store::now_ms())
+                    .execute(pool)
+                    .await
+                    .map_err($crate::store::sql::store_error)?;
+                let stored = $crate::effect::EffectJournal::get(self, consumer, key, step).await?;
+                stored.ok_or_else(|| {
+                    $crate::StoreError::Transient(format!(
+                        "effect {step:?} of key {key:?}: the journal row is not visible after writing it"
+                    ))
+                })
             }
         }
 
@@ -737,7 +884,14 @@ macro_rules! sql_store {
                     .execute(&self.pool)
                     .await
                     .map_err(store_error)?;
-                Ok(deleted)
+                let effects = sqlx::query(&self.queries.prune_effects)
+                    .bind(cutoff_ms)
+                    .bind(i64::from(batch))
+                    .execute(self.journal_pool().await?)
+                    .await
+                    .map_err(store_error)?
+                    .rows_affected();
+                Ok(deleted.max(effects))
             }
 
             async fn inspect(

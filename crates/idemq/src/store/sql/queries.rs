@@ -32,6 +32,8 @@ pub struct Tables {
     pub migrations: String,
     /// `{prefix}offsets`: the offset watermark per (consumer, topic, partition).
     pub offsets: String,
+    /// `{prefix}effects`: the effect journal, one row per (consumer, key, step).
+    pub effects: String,
 }
 
 impl Tables {
@@ -54,6 +56,7 @@ impl Tables {
             dead_letters: format!("{prefix}dead_letters"),
             migrations: format!("{prefix}schema_migrations"),
             offsets: format!("{prefix}offsets"),
+            effects: format!("{prefix}effects"),
         })
     }
 }
@@ -67,6 +70,7 @@ impl Default for Tables {
             dead_letters: "idemq_dead_letters".into(),
             migrations: "idemq_schema_migrations".into(),
             offsets: "idemq_offsets".into(),
+            effects: "idemq_effects".into(),
         }
     }
 }
@@ -128,6 +132,15 @@ pub struct Queries {
     pub offset_select: String,
     /// Binds: next_offset, next_offset, updated_at, consumer, topic, partition. Never moves back.
     pub offset_advance: String,
+    /// Binds: consumer, key, step. Returns result_json.
+    pub effect_get: String,
+    /// Binds: consumer, key, step, result_json, created_at. Keeps the first row.
+    pub effect_put: String,
+    /// Binds: cutoff_ms, limit.
+    pub prune_effects: String,
+    /// Creates the effect journal table (migration v3; on SQLite run in the
+    /// journal's own database file instead, see [`sqlite`](super::sqlite)).
+    pub effects_schema: Vec<String>,
 }
 
 /// Statements whose shape depends on the batch size (batch mode).
@@ -353,6 +366,16 @@ impl Queries {
             migrations: vec![
                 (1, schema_v1(dialect, tables)),
                 (2, schema_v2(dialect, tables)),
+                // SQLite has one writer per file and the handler's transaction
+                // holds it: its journal lives in a file of its own (created
+                // when first used), so v3 has nothing to do in the main file.
+                (
+                    3,
+                    match dialect {
+                        Dialect::Sqlite => Vec::new(),
+                        _ => schema_v3(dialect, tables),
+                    },
+                ),
             ],
             offset_ensure: match dialect {
                 Dialect::MySql => format!(
@@ -385,6 +408,24 @@ impl Queries {
                  updated_at = ? WHERE consumer = ? AND topic = ? AND part = ?",
                 tables.offsets
             ),
+            effect_get: format!(
+                "SELECT result_json FROM {} WHERE consumer = ? AND msg_key = ? AND step = ?",
+                tables.effects
+            ),
+            effect_put: match dialect {
+                Dialect::MySql => format!(
+                    "INSERT IGNORE INTO {} (consumer, msg_key, step, result_json, created_at) \
+                     VALUES (?, ?, ?, ?, ?)",
+                    tables.effects
+                ),
+                _ => format!(
+                    "INSERT INTO {} (consumer, msg_key, step, result_json, created_at) \
+                     VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    tables.effects
+                ),
+            },
+            prune_effects: prune(&tables.effects, "created_at"),
+            effects_schema: schema_v3(dialect, tables),
         };
         match dialect {
             Dialect::Postgres => q.numbered(),
@@ -414,6 +455,9 @@ impl Queries {
             &mut self.offset_lock,
             &mut self.offset_select,
             &mut self.offset_advance,
+            &mut self.effect_get,
+            &mut self.effect_put,
+            &mut self.prune_effects,
         ] {
             *sql = number_placeholders(sql);
         }
@@ -436,6 +480,48 @@ fn number_placeholders(sql: &str) -> String {
         }
     }
     out
+}
+
+/// Version 3: the effect journal. Step names are at most 128 bytes, which
+/// keeps MySQL's primary key (128 + 512 + 128 characters of utf8mb4) within
+/// InnoDB's 3072-byte limit.
+fn schema_v3(dialect: Dialect, tables: &Tables) -> Vec<String> {
+    let effects = &tables.effects;
+    let (consumer, key, step, opts) = match dialect {
+        Dialect::MySql => (
+            "consumer VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL",
+            "msg_key VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL",
+            "step VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL",
+            " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",
+        ),
+        Dialect::Postgres => (
+            "consumer VARCHAR(128) NOT NULL",
+            "msg_key VARCHAR(512) NOT NULL",
+            "step VARCHAR(128) NOT NULL",
+            "",
+        ),
+        Dialect::Sqlite => (
+            "consumer TEXT NOT NULL",
+            "msg_key TEXT NOT NULL",
+            "step TEXT NOT NULL",
+            "",
+        ),
+    };
+    let index = format!("{effects}_created_at");
+    let inline_index = match dialect {
+        Dialect::MySql => format!(", INDEX {index} (created_at)"),
+        _ => String::new(),
+    };
+    let mut steps = vec![format!(
+        "CREATE TABLE IF NOT EXISTS {effects} ({consumer}, {key}, {step}, result_json TEXT NOT NULL, \
+         created_at BIGINT NOT NULL, PRIMARY KEY (consumer, msg_key, step){inline_index}){opts}"
+    )];
+    if dialect != Dialect::MySql {
+        steps.push(format!(
+            "CREATE INDEX IF NOT EXISTS {index} ON {effects} (created_at)"
+        ));
+    }
+    steps
 }
 
 /// Version 2: the offset watermarks of the offset-watermark mode.
