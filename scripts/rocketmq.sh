@@ -16,6 +16,15 @@ BROKER_PORT=10911
 HA_PORT=10912
 TIMEOUT_S=90
 
+# The broker refuses to store messages ("broker.operation.failed") when the
+# disk holding its store is nearly full (about 90 %): say so up front.
+mkdir -p "$TOOLS"
+used=$(df -P "$TOOLS" | awk 'NR == 2 { sub("%", "", $5); print $5 }')
+if [ -n "$used" ] && [ "$used" -ge 85 ]; then
+  echo "rocketmq: warning: the disk holding $TOOLS is ${used}% full; the broker refuses" \
+    "to store messages above about 90% (free space, e.g. old cargo target dirs)" >&2
+fi
+
 listening() {
   (exec 3<>"/dev/tcp/$HOST/$1") >/dev/null 2>&1
 }
