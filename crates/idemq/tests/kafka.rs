@@ -13,14 +13,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idemq::source::kafka::{
-    default_key_spec, KafkaConfig, KafkaPublisher, KafkaSource, DEAD_LETTER_REASON_HEADER,
+    create_topic, default_key_spec, KafkaConfig, KafkaPublisher, KafkaSource,
+    DEAD_LETTER_REASON_HEADER,
 };
 use idemq::source::Source;
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::DeadLetterReason;
 use idemq::{handler_fn, Consumer, HandlerError, Message, OutcomeKind, Summary};
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Headers as _, Message as _};
@@ -34,20 +33,10 @@ const PARTITIONS: i32 = 3;
 /// A fresh topic with `partitions` partitions.
 async fn new_topic(partitions: i32) -> String {
     let name = support::unique("idemq");
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", BROKERS)
-        .create()
-        .unwrap();
-    let results = admin
-        .create_topics(
-            &[NewTopic::new(&name, partitions, TopicReplication::Fixed(1))],
-            &AdminOptions::new(),
-        )
+    let created = create_topic(BROKERS, &name, partitions)
         .await
         .expect("create topic (is scripts/kafka.sh running?)");
-    for r in results {
-        r.expect("topic created");
-    }
+    assert!(created, "topic {name} existed already");
     name
 }
 
