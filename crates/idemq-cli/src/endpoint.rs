@@ -170,64 +170,55 @@ impl Endpoint {
             Endpoint::Kafka(url) => {
                 use idemq::source::kafka::{KafkaConfig, KafkaSource};
                 let config = KafkaConfig::from_url(url).map_err(crate::exit::usage)?;
-                let source = KafkaSource::connect(config)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(source))
+                Ok(Box::new(
+                    connected(self, KafkaSource::connect(config)).await?,
+                ))
             }
             #[cfg(feature = "amqp")]
             Endpoint::Amqp(url) => {
                 use idemq::source::amqp::{AmqpConfig, AmqpSource};
                 let config = AmqpConfig::from_url(url).map_err(crate::exit::usage)?;
-                let source = AmqpSource::connect(config)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(source))
+                Ok(Box::new(
+                    connected(self, AmqpSource::connect(config)).await?,
+                ))
             }
             #[cfg(feature = "sqs")]
             Endpoint::Sqs(url) => {
                 use idemq::source::sqs::{SqsConfig, SqsSource};
                 let config = SqsConfig::from_url(url).map_err(crate::exit::usage)?;
-                let source = SqsSource::connect(config)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(source))
+                Ok(Box::new(connected(self, SqsSource::connect(config)).await?))
             }
             #[cfg(feature = "nats")]
             Endpoint::Nats(url) => {
                 use idemq::source::nats::{NatsConfig, NatsSource};
                 let config = NatsConfig::from_url(url).map_err(crate::exit::usage)?;
-                let source = NatsSource::connect(config)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(source))
+                Ok(Box::new(
+                    connected(self, NatsSource::connect(config)).await?,
+                ))
             }
             #[cfg(feature = "redis-streams")]
             Endpoint::RedisStream(url) => {
                 use idemq::source::redis_stream::{RedisStreamConfig, RedisStreamSource};
                 let config = RedisStreamConfig::from_url(url).map_err(crate::exit::usage)?;
-                let source = RedisStreamSource::connect(config)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(source))
+                Ok(Box::new(
+                    connected(self, RedisStreamSource::connect(config)).await?,
+                ))
             }
             #[cfg(feature = "mqtt")]
             Endpoint::Mqtt(url) => {
                 use idemq::source::mqtt::{MqttConfig, MqttSource};
                 let config = MqttConfig::from_url(url).map_err(crate::exit::usage)?;
-                let source = MqttSource::connect(config)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(source))
+                Ok(Box::new(
+                    connected(self, MqttSource::connect(config)).await?,
+                ))
             }
             #[cfg(feature = "rocketmq")]
             Endpoint::RocketMq(url) => {
                 use idemq::source::rocketmq::{RocketMqConfig, RocketMqSource};
                 let config = RocketMqConfig::from_url(url).map_err(crate::exit::usage)?;
-                let source = RocketMqSource::connect(config)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(source))
+                Ok(Box::new(
+                    connected(self, RocketMqSource::connect(config)).await?,
+                ))
             }
         }
     }
@@ -253,37 +244,37 @@ impl Endpoint {
                         .await
                         .with_context(|| format!("creating the topic of {self}"))?;
                 }
-                let publisher = KafkaPublisher::connect(&config.brokers, &config.topic)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(publisher))
+                Ok(Box::new(
+                    connected(
+                        self,
+                        KafkaPublisher::connect(&config.brokers, &config.topic),
+                    )
+                    .await?,
+                ))
             }
             #[cfg(feature = "amqp")]
             Endpoint::Amqp(url) => {
                 use idemq::source::amqp::{AmqpConfig, AmqpPublisher};
                 let config = AmqpConfig::from_url(url).map_err(crate::exit::usage)?;
-                let publisher = AmqpPublisher::connect(config)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(publisher))
+                Ok(Box::new(
+                    connected(self, AmqpPublisher::connect(config)).await?,
+                ))
             }
             #[cfg(feature = "sqs")]
             Endpoint::Sqs(url) => {
                 use idemq::source::sqs::{SqsConfig, SqsPublisher};
                 let config = SqsConfig::from_url(url).map_err(crate::exit::usage)?;
-                let publisher = SqsPublisher::connect(config)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(publisher))
+                Ok(Box::new(
+                    connected(self, SqsPublisher::connect(config)).await?,
+                ))
             }
             #[cfg(feature = "nats")]
             Endpoint::Nats(url) => {
                 use idemq::source::nats::{NatsConfig, NatsPublisher};
                 let config = NatsConfig::from_url(url).map_err(crate::exit::usage)?;
-                let publisher = NatsPublisher::connect(config)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(publisher))
+                Ok(Box::new(
+                    connected(self, NatsPublisher::connect(config)).await?,
+                ))
             }
             #[cfg(feature = "redis-streams")]
             Endpoint::RedisStream(url) => {
@@ -291,10 +282,9 @@ impl Endpoint {
                 // A producer belongs to no consumer group: the URL may omit it.
                 let url = with_default_param(url, "group", "idemq-produce");
                 let config = RedisStreamConfig::from_url(&url).map_err(crate::exit::usage)?;
-                let publisher = RedisStreamPublisher::connect(&config)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(publisher))
+                Ok(Box::new(
+                    connected(self, RedisStreamPublisher::connect(&config)).await?,
+                ))
             }
             #[cfg(feature = "mqtt")]
             Endpoint::Mqtt(url) => {
@@ -302,21 +292,38 @@ impl Endpoint {
                 let client = format!("idemq-produce-{}", std::process::id());
                 let url = with_default_param(url, "client_id", &client);
                 let config = MqttConfig::from_url(&url).map_err(crate::exit::usage)?;
-                let publisher = MqttPublisher::connect(&config)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(publisher))
+                Ok(Box::new(
+                    connected(self, MqttPublisher::connect(&config)).await?,
+                ))
             }
             #[cfg(feature = "rocketmq")]
             Endpoint::RocketMq(url) => {
                 use idemq::source::rocketmq::RocketMqPublisher;
-                let publisher = RocketMqPublisher::from_url(url)
-                    .await
-                    .with_context(|| format!("connecting to {self}"))?;
-                Ok(Box::new(publisher))
+                Ok(Box::new(
+                    connected(self, RocketMqPublisher::from_url(url)).await?,
+                ))
             }
         }
     }
+}
+
+/// Waits for a broker client to connect; a failure names the endpoint.
+#[cfg(any(
+    feature = "kafka",
+    feature = "amqp",
+    feature = "sqs",
+    feature = "nats",
+    feature = "redis-streams",
+    feature = "mqtt",
+    feature = "rocketmq"
+))]
+async fn connected<T>(
+    endpoint: &Endpoint,
+    connecting: impl std::future::Future<Output = Result<T, SourceError>>,
+) -> Result<T> {
+    connecting
+        .await
+        .with_context(|| format!("connecting to {endpoint}"))
 }
 
 /// `url` with `name=value` added to its query unless it already sets `name`.
