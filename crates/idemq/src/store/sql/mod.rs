@@ -127,9 +127,11 @@ pub(crate) trait JournalPool: sqlx::Database {
 }
 
 /// At most this many connections serve the journal of a server database.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 const JOURNAL_CONNECTIONS: u32 = 2;
 
 /// A small pool of its own on the same server (the v3 migration created the table).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn server_journal<DB: sqlx::Database>(main: &sqlx::Pool<DB>) -> sqlx::Pool<DB> {
     sqlx::pool::PoolOptions::<DB>::new()
         .max_connections(JOURNAL_CONNECTIONS)
