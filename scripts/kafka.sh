@@ -14,6 +14,15 @@ PORT=9092
 LOG="$RUN/tansu.log"
 PIDFILE="$RUN/tansu.pid"
 
+# True when the pid file names a live tansu process (a pid left by a process
+# that died with an earlier session may be reused).
+alive() {
+  local pid
+  [ -f "$PIDFILE" ] || return 1
+  pid="$(cat "$PIDFILE")"
+  kill -0 "$pid" 2>/dev/null && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q tansu
+}
+
 listening() {
   (exec 3<>"/dev/tcp/$HOST/$PORT") >/dev/null 2>&1
 }
@@ -34,10 +43,14 @@ if [ -z "$TANSU" ]; then
 fi
 
 mkdir -p "$RUN"
-if [ -f "$PIDFILE" ] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
+if alive; then
   echo "kafka: tansu (pid $(cat "$PIDFILE")) is running; waiting for its port"
 else
-  echo "kafka: starting tansu on $HOST:$PORT (state and log in $RUN)"
+  # Tests use throwaway topics: start on an empty database, so state left by
+  # a broker that was killed (a session or CI run ending) never matters and
+  # never grows.
+  rm -f "$RUN"/tansu.db "$RUN"/tansu.db-*
+  echo "kafka: starting tansu on $HOST:$PORT (empty state; log in $RUN)"
   (
     cd "$RUN"
     setsid nohup "$TANSU" broker \
@@ -54,7 +67,7 @@ for _ in $(seq 1 120); do
     echo "kafka: tansu answers on $HOST:$PORT"
     exit 0
   fi
-  if ! kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
+  if ! alive; then
     break
   fi
   sleep 0.5

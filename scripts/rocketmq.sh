@@ -5,7 +5,8 @@
 # Rust >= 1.95) unless both are already on PATH or in ~/.cargo/bin, then
 # starts them in the background in ${IDEMQ_TOOLS:-$HOME/.idemq-tools}/rocketmq
 # unless their ports already answer. Idempotent.
-# Topics are auto-created by the broker (4 queues).
+# Topics are auto-created by the broker (4 queues). The broker's store is
+# wiped whenever this script starts it.
 set -euo pipefail
 
 TOOLS="${IDEMQ_TOOLS:-$HOME/.idemq-tools}"
@@ -84,8 +85,13 @@ NAMESRV_PID="$RUN/namesrv.pid"
 BROKER_LOG="$RUN/logs/broker.log"
 BROKER_PID="$RUN/broker.pid"
 
+# True when pid file $1 names a live process running a RocketMQ binary (a
+# pid left by a process that died with an earlier session may be reused).
 alive() {
-  [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
+  local pid
+  [ -f "$1" ] || return 1
+  pid="$(cat "$1")"
+  kill -0 "$pid" 2>/dev/null && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q rocketmq
 }
 
 fail() {
@@ -137,7 +143,13 @@ else
   if alive "$BROKER_PID"; then
     echo "rocketmq: the broker (pid $(cat "$BROKER_PID")) is running; waiting for its port"
   else
-    echo "rocketmq: starting the broker on $HOST:$BROKER_PORT"
+    # Tests use throwaway topics, so the broker starts on an empty store: a
+    # store left by a broker that was killed (a session or CI run ending)
+    # made the next start fail in recovery ("Service lifecycle operation
+    # failed"), and it only grows.
+    rm -rf "$RUN/store"
+    mkdir -p "$RUN/store"
+    echo "rocketmq: starting the broker on $HOST:$BROKER_PORT (empty store)"
     (
       cd "$RUN"
       ROCKETMQ_HOME="$RUN" setsid nohup "$BROKER" -c "$RUN/conf/broker.toml" -n "$HOST:$NAMESRV_PORT" \
