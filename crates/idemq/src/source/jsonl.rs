@@ -92,6 +92,10 @@ struct Shared {
     state: Mutex<State>,
     changed: Notify,
     checkpoint_path: Option<PathBuf>,
+    /// Serializes checkpoint writes: an ack's periodic save and the forced
+    /// save at the end of the input once raced on the one temp file (the
+    /// loser's rename failed) and could write an older watermark last.
+    save: tokio::sync::Mutex<()>,
     topic: String,
 }
 
@@ -105,6 +109,7 @@ impl Shared {
         let Some(path) = &self.checkpoint_path else {
             return Ok(());
         };
+        let _writing = self.save.lock().await;
         let checkpoint = {
             let mut state = self.state();
             let due = state
@@ -216,6 +221,7 @@ impl JsonLinesSource {
                 }),
                 changed: Notify::new(),
                 checkpoint_path,
+                save: tokio::sync::Mutex::new(()),
                 topic,
             }),
         }
