@@ -229,13 +229,14 @@ impl Backend for idemq::store::redis::RedisStore {
         None
     }
 
+    /// A batch's leases are claimed in one round trip and completed in another.
     async fn run_batched(
-        _consumer: &Consumer<Self>,
-        _source: Box<dyn Source>,
-        _options: BatchOptions,
-        _shutdown: ShutdownSignal<'_>,
+        consumer: &Consumer<Self>,
+        source: Box<dyn Source>,
+        options: BatchOptions,
+        shutdown: ShutdownSignal<'_>,
     ) -> Option<Result<Summary, SourceError>> {
-        None
+        Some(consumer.run_batched_until(source, options, shutdown).await)
     }
 }
 

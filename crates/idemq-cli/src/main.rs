@@ -122,6 +122,24 @@ enum Command {
     )]
     Produce(ProduceArgs),
 
+    /// Publish the rows of a transactional outbox table to a broker, in order per key.
+    #[command(
+        long_about = "Publish the rows of the transactional outbox table `{prefix}outbox` \
+            (written by applications with idemq's `Outbox::enqueue` in their own transactions, \
+            or by any SQL insert) to a broker, a JSON-lines file or stdout.\n\n\
+            Each row becomes a message with id = the row's `id`, the header `event_id` = the \
+            same id, key = `aggregateid` and the row's headers; it is deleted only after the \
+            broker confirmed it. Several relays may run at once: each holds the keys it \
+            publishes (FOR UPDATE SKIP LOCKED on PostgreSQL and MariaDB; SQLite relays take \
+            turns), so the rows of one key go out in order. A relay that dies after a publish \
+            and before its delete publishes the row again with the same id: consume with \
+            `--key header:event_id` and the inbox drops the copy. The table is created by \
+            --migrate. At the end a line is printed:\n  \
+            relayed from TABLE: published=N failures=N batches=N",
+        after_long_help = EXIT_CODES
+    )]
+    Relay(commands::RelayArgs),
+
     /// Create or upgrade the idemq tables (idempotent).
     #[command(after_long_help = EXIT_CODES)]
     Migrate,
@@ -165,10 +183,22 @@ enum Command {
     /// List or replay dead letters.
     #[command(subcommand)]
     Dlq(DlqCommand),
+
+    /// Fault injection: publish duplicates and poison, kill the consumers, check exactly-once.
+    #[command(
+        long_about = commands::chaos::LONG_ABOUT,
+        after_long_help = commands::chaos::EXIT_CODES
+    )]
+    Chaos(commands::chaos::ChaosArgs),
+
+    /// A chaos worker for lease stores (started by `idemq chaos`).
+    #[command(hide = true)]
+    ChaosWorker(commands::chaos::WorkerArgs),
 }
 
 /// `idemq dlq …`.
 #[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once per run; boxing buys nothing
 enum DlqCommand {
     /// List dead letters, oldest first.
     #[command(after_long_help = EXIT_CODES)]
@@ -219,9 +249,10 @@ struct ConsumeArgs {
     #[arg(long)]
     no_migrate: bool,
 
-    /// Batch mode (SQL stores): up to N messages share one transaction, each
-    /// in its own savepoint, with one commit per batch. Faster; a batch is
-    /// settled only after its commit.
+    /// Batch mode: up to N messages share one transaction (SQL stores: one
+    /// claim statement, a savepoint per message after a failure, one commit)
+    /// or one claim and one completion round trip (redis://). Faster; a
+    /// batch is settled only after its commit.
     #[arg(long, value_name = "N", value_parser = parse_positive)]
     batch: Option<usize>,
 
@@ -329,6 +360,21 @@ struct SinkArgs {
     /// Repeatable; each flag is one statement.
     #[arg(long = "init-sql", value_name = "SQL")]
     init_sql: Vec<String>,
+
+    /// --apply-http: how long one request may take (connecting, sending and
+    /// reading the answer; default 30s); a request that takes longer is retried.
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    http_timeout: Option<Duration>,
+
+    /// --apply-http: an extra request header `Name: value` (e.g.
+    /// `Authorization: Bearer …`). Repeatable.
+    #[arg(long = "http-header", value_name = "NAME: VALUE")]
+    http_headers: Vec<String>,
+
+    /// --apply-exec: how long the command may run (default 30s); then its
+    /// process group is killed and the message retried.
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    exec_timeout: Option<Duration>,
 }
 
 /// Exactly one sink.
@@ -344,6 +390,27 @@ struct SinkTarget {
     /// `{"key":…,"payload":…}` (the inbox still drops duplicates).
     #[arg(long)]
     print: bool,
+
+    /// POST each newly processed message's payload to this http(s) URL, at
+    /// most once per key: with `Idempotency-Key: "<uuid>"` (derived from
+    /// consumer, key and step `http`), `X-Idemq-Key`, `X-Idemq-Consumer`,
+    /// `X-Idemq-Message-Id`; JSON payloads as `application/json`. 2xx:
+    /// processed, `{"status","body"}` stored; 409, 408, 429, 5xx, timeouts,
+    /// connection errors: retried; 422: conflict, dead letter; other
+    /// statuses: dead letter with the status and body. A 2xx answer is
+    /// journaled, so a redelivery does not call again (docs/http.md).
+    #[arg(long = "apply-http", value_name = "URL")]
+    apply_http: Option<String>,
+
+    /// Run this command with `sh -c` per newly processed message, at most
+    /// once per key: payload on stdin; IDEMQ_KEY, IDEMQ_IDEMPOTENCY_KEY
+    /// (derived, step `exec`), IDEMQ_MESSAGE_ID and IDEMQ_CONSUMER in the
+    /// environment. Exit 0: processed, stdout stored (JSON if it parses);
+    /// 75 (EX_TEMPFAIL) or 69 (EX_UNAVAILABLE): retried; 65 (EX_DATAERR):
+    /// conflict, dead letter; other codes: dead letter with stderr; killed
+    /// or timed out: retried. A success is journaled (docs/http.md).
+    #[arg(long = "apply-exec", value_name = "CMD")]
+    apply_exec: Option<String>,
 }
 
 /// `idemq produce`.
@@ -534,6 +601,8 @@ fn main() -> ExitCode {
     if let Err(e) = exit::init_logging() {
         return exit::report(&e);
     }
+    #[cfg(feature = "failpoints")]
+    commands::chaos::arm_kill_points();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -553,6 +622,15 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
     let Cli { global, command } = cli;
     if let Command::Produce(args) = command {
         return commands::produce(args).await;
+    }
+    if let Command::Relay(args) = command {
+        return commands::relay(args, &global).await;
+    }
+    if let Command::Chaos(args) = command {
+        return commands::chaos::run(args, &global).await;
+    }
+    if let Command::ChaosWorker(args) = command {
+        return commands::chaos::worker::run(args, &global).await;
     }
     // Parsed here rather than by clap, which would also parse the default URL
     // of a global flag and fail in builds without SQLite.

@@ -1,5 +1,7 @@
 //! Sinks: what happens to a newly processed message. `--apply-sql` runs a
-//! SQL template in the inbox transaction; `--print` writes a JSON line.
+//! SQL template in the inbox transaction; `--print` writes a JSON line;
+//! `--apply-http` ([`http`]) and `--apply-exec` ([`exec`]) call out through
+//! the effect journal.
 
 use std::future::Future;
 use std::io::Write;
@@ -17,6 +19,11 @@ use sqlx::{Connection, Database, Encode, Executor, IntoArguments, Pool, Transact
 
 use crate::backend::Backend;
 use crate::{exit, SinkArgs};
+
+#[cfg(feature = "exec")]
+mod exec;
+#[cfg(feature = "http")]
+mod http;
 
 /// The future a [`Handler`] returns.
 type HandlerFuture<'a> = Pin<Box<dyn Future<Output = HandlerResult> + Send + 'a>>;
@@ -313,10 +320,44 @@ pub fn build<B: Backend>(args: &SinkArgs) -> Result<Sink<B::Tx>> {
             })
         }
         None => Ok(Sink {
-            handler: Box::new(PrintHandler),
+            handler: call_out_or_print(args)?,
             statement: None,
         }),
     }
+}
+
+/// `--http-timeout` and `--exec-timeout` when not given.
+#[cfg(any(feature = "http", feature = "exec"))]
+const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The handler of a sink without SQL: `--apply-http`, `--apply-exec` or `--print`.
+fn call_out_or_print<Tx: Send + 'static>(args: &SinkArgs) -> Result<BoxedHandler<Tx>> {
+    if let Some(url) = &args.target.apply_http {
+        #[cfg(feature = "http")]
+        return Ok(Box::new(http::HttpSink::new(
+            url,
+            args.http_timeout.unwrap_or(CALL_TIMEOUT),
+            &args.http_headers,
+        )?));
+        #[cfg(not(feature = "http"))]
+        return Err(exit::usage(format!(
+            "--apply-http {url}: {}",
+            crate::backend::compiled_out("HTTP", "http")
+        )));
+    }
+    if let Some(command) = &args.target.apply_exec {
+        #[cfg(feature = "exec")]
+        return Ok(Box::new(exec::ExecSink::new(
+            command,
+            args.exec_timeout.unwrap_or(CALL_TIMEOUT),
+        )));
+        #[cfg(not(feature = "exec"))]
+        return Err(exit::usage(format!(
+            "--apply-exec {command:?}: {}",
+            crate::backend::compiled_out("--apply-exec", "exec")
+        )));
+    }
+    Ok(Box::new(PrintHandler))
 }
 
 /// Runs the `--init-sql` statements, then prepares the `--apply-sql` statement

@@ -60,6 +60,9 @@ use uuid::Uuid;
 
 use crate::error::{HandlerError, StoreError};
 
+#[cfg(feature = "http")]
+pub mod http;
+
 /// The namespace of derived idempotency keys:
 /// `UUIDv5(URL namespace, "urn:idemq:idempotency-key")`.
 pub const NAMESPACE: Uuid = Uuid::from_u128(0xd6caef88_905d_5ba5_9d16_c4dc82ff176b);

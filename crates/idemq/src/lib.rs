@@ -42,16 +42,23 @@
 //! - [`outcome`]: every message ends as one [`Outcome`];
 //! - [`retention`]: pruning old inbox rows.
 //!
-//! Cargo features: `sqlite` (default), `postgres`, `mysql`.
+//! Cargo features: stores `sqlite` (default), `postgres`, `mysql`,
+//! `redis`; sources `kafka`, `amqp`, `sqs`, `nats`, `redis-streams`,
+//! `mqtt`, `rocketmq`; `http` (effects over HTTP with `Idempotency-Key`);
+//! `failpoints` (the named crash points `idemq chaos` uses; off in normal
+//! builds).
 
 #![warn(missing_docs)]
 
 pub mod effect;
 pub mod engine;
 pub mod error;
+pub mod failpoint;
 pub mod fingerprint;
 pub mod key;
 pub mod message;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub mod outbox;
 pub mod outcome;
 pub mod policy;
 pub mod retention;

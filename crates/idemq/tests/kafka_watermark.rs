@@ -1,21 +1,28 @@
 //! Offset-watermark mode ([`Consumer::run_watermarked`]) with the Kafka
-//! source against tansu and the PostgreSQL ledger: a restart before the
-//! offset commit and an offset reset apply nothing twice with O(partitions)
-//! state; key dedup on top catches producer retries; a rebalance with
-//! messages in flight loses nothing and applies nothing twice.
+//! source against tansu and the PostgreSQL ledger: after a crash between the
+//! database commit and the offset commit, the restarted consumer starts each
+//! partition at its watermark and does not even fetch the applied records;
+//! an offset reset of a running member seeks past the watermark; a source
+//! that cannot seek is still answered by the per-record check; key dedup on
+//! top catches producer retries; a rebalance with messages in flight
+//! positions the moved partitions at their watermarks and loses nothing and
+//! applies nothing twice.
 #![cfg(all(feature = "kafka", feature = "postgres"))]
 
 mod support;
 
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use idemq::engine::WatermarkOptions;
 use idemq::source::kafka::{create_topic, KafkaConfig, KafkaPublisher, KafkaSource};
-use idemq::source::Source;
+use idemq::source::{Delivery, Source};
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::OffsetStore;
+use idemq::SourceError;
 use idemq::{Consumer, Message, OutcomeKind, Summary};
 use support::{payments, Ledger, Plan, SwallowAcks, Tally};
 
@@ -39,6 +46,22 @@ async fn source(topic: &str, group: &str) -> KafkaSource {
 async fn publish(topic: &str, messages: &[Message]) {
     let publisher = KafkaPublisher::connect(BROKERS, topic).await.unwrap();
     support::publish_all(&publisher, messages).await;
+}
+
+/// A source that cannot seek: it forwards deliveries but not the
+/// watermarks ([`Source::resume_from`]), as a source over a log without
+/// positions would; the engine's per-record check must answer alone.
+struct NoSeek(KafkaSource);
+
+#[async_trait]
+impl Source for NoSeek {
+    async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
+        self.0.next().await
+    }
+
+    async fn close(&mut self) {
+        self.0.close().await
+    }
 }
 
 /// Runs until `outcomes` deliveries were settled (or 60 s), then stops.
@@ -73,7 +96,7 @@ async fn assert_applied_once(ledger: &Ledger, n: usize, sum: i64) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_restart_and_an_offset_reset_apply_nothing_twice() {
+async fn a_restart_seeks_past_the_watermark_and_fetches_nothing_applied() {
     let ledger = Ledger::new().await;
     let topic = new_topic().await;
     let (messages, _) = payments(24, serde_json::json!({}));
@@ -81,40 +104,79 @@ async fn a_restart_and_an_offset_reset_apply_nothing_twice() {
     let plan = Arc::new(Plan::default());
     let options = WatermarkOptions::default();
     let group = support::unique("g");
+    let parts = PARTITIONS as u64;
 
     // A applies the first record of each partition and dies before any
-    // offset commit reaches Kafka.
+    // offset commit reaches Kafka: the group's offsets stay behind the
+    // watermarks.
     let (a, seen) = counting(&ledger, "wm", &plan);
     let swallowing = SwallowAcks::new(source(&topic, &group).await, |_| true);
     let first = run_for(&a, swallowing, options, &seen, PARTITIONS as usize).await;
-    assert_eq!(first.count(OutcomeKind::Processed), PARTITIONS as u64);
+    assert_eq!(first.count(OutcomeKind::Processed), parts);
 
-    // B, same group, reads those records again: the watermark answers them.
+    // B, same group, restarted: every partition is assigned at its
+    // watermark, so the applied records are neither fetched nor handled.
     let (b, seen) = counting(&ledger, "wm", &plan);
-    let second = run_for(&b, source(&topic, &group).await, options, &seen, 24).await;
+    let b_source = source(&topic, &group).await;
+    let b_counters = b_source.counters();
+    let second = run_for(&b, b_source, options, &seen, 24 - PARTITIONS as usize).await;
+    assert_eq!(second.count(OutcomeKind::Processed), 24 - parts, "{second}");
+    assert_eq!(second.count(OutcomeKind::Duplicate), 0, "{second}");
+    assert_eq!(b_counters.positioned_at_assignment(), parts);
     assert_eq!(
-        second.count(OutcomeKind::Duplicate),
-        PARTITIONS as u64,
-        "{second}"
+        b_counters.fetched(),
+        24 - parts,
+        "records below the watermark were fetched"
     );
+    assert_eq!(b_counters.dropped_below_watermark(), 0);
     assert_eq!(
-        second.count(OutcomeKind::Processed),
-        24 - PARTITIONS as u64,
-        "{second}"
+        plan.calls.load(Ordering::SeqCst),
+        24,
+        "the handler ran once per record"
     );
 
-    // C, a new group (an offset reset to the earliest record): all duplicates.
+    // C, a new group (an offset reset to the earliest record) that joined
+    // and fetched everything before its run began: the run seeks its
+    // partitions past the watermarks and drops what was buffered.
     let (c, seen) = counting(&ledger, "wm", &plan);
-    let reset = run_for(
-        &c,
-        source(&topic, &support::unique("g")).await,
-        options,
-        &seen,
+    let c_source = source(&topic, &support::unique("g")).await;
+    let c_counters = c_source.counters();
+    assert!(
+        support::wait_until(Duration::from_secs(60), || c_counters.fetched() >= 24).await,
+        "C fetched {} records",
+        c_counters.fetched()
+    );
+    let stop = async {
+        assert!(
+            support::wait_until(Duration::from_secs(30), || c_counters.sought() >= parts).await
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    let reset = c
+        .run_watermarked_until(c_source, options, stop)
+        .await
+        .unwrap();
+    assert_eq!(seen.total(), 0, "{reset}");
+    assert_eq!(c_counters.sought(), parts);
+    assert_eq!(c_counters.dropped_below_watermark(), 24);
+    assert_eq!(
+        c_counters.fetched(),
         24,
-    )
-    .await;
-    assert_eq!(reset.count(OutcomeKind::Duplicate), 24, "{reset}");
-    assert_eq!(reset.count(OutcomeKind::Processed), 0, "{reset}");
+        "nothing fetched again after the seek"
+    );
+
+    // D, another new group over a source that cannot seek: everything is
+    // delivered again and the watermark answers every record.
+    let (d, seen) = counting(&ledger, "wm", &plan);
+    let d_source = NoSeek(source(&topic, &support::unique("g")).await);
+    let replay = run_for(&d, d_source, options, &seen, 24).await;
+    assert_eq!(replay.count(OutcomeKind::Duplicate), 24, "{replay}");
+    assert_eq!(replay.count(OutcomeKind::Processed), 0, "{replay}");
+    assert_eq!(
+        plan.calls.load(Ordering::SeqCst),
+        24,
+        "the handler never ran again"
+    );
 
     assert_applied_once(&ledger, 24, (1..=24).sum()).await;
     // O(partitions) state: no inbox rows, one watermark per partition.
@@ -166,11 +228,12 @@ async fn key_dedup_on_top_catches_producer_retries() {
     assert_eq!(summary.count(OutcomeKind::DeadLettered), 1, "{summary}");
     ledger.assert_exactly_once(&workload.expected).await;
     // The dead-lettered record moved the watermark too: a re-read from the
-    // start finds every record applied or dead-lettered.
+    // start (over a source that does not seek) finds every record applied
+    // or dead-lettered.
     let (again, seen) = counting(&ledger, "wm-keys", &plan);
     let reread = run_for(
         &again,
-        source(&topic, &support::unique("g")).await,
+        NoSeek(source(&topic, &support::unique("g")).await),
         options,
         &seen,
         total,
@@ -199,6 +262,7 @@ async fn a_rebalance_with_messages_in_flight() {
     let (a, b) = (build(), build());
     let stop = Arc::new(tokio::sync::Notify::new());
     let first = source(&topic, &group).await;
+    let a_counters = first.counters();
     let run_a = tokio::spawn({
         let stop = Arc::clone(&stop);
         async move {
@@ -211,6 +275,7 @@ async fn a_rebalance_with_messages_in_flight() {
         "the first member settled nothing"
     );
     let second = source(&topic, &group).await;
+    let b_counters = second.counters();
     let run_b = tokio::spawn({
         let stop = Arc::clone(&stop);
         async move {
@@ -229,6 +294,16 @@ async fn a_rebalance_with_messages_in_flight() {
     assert!(
         sb.count(OutcomeKind::Processed) + sb.count(OutcomeKind::Duplicate) > 0,
         "{sa} / {sb}"
+    );
+    // The rebalance assigned partitions with watermarks to both members,
+    // which started them there.
+    assert!(
+        b_counters.positioned_at_assignment() >= 1,
+        "B started no partition at its watermark"
+    );
+    assert!(
+        a_counters.positioned_at_assignment() >= 1,
+        "A started no partition at its watermark after the rebalance"
     );
     assert_applied_once(&ledger, 60, (1..=60).sum()).await;
     ledger.cleanup().await;

@@ -99,8 +99,8 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
                 .await
                 .ok_or_else(|| {
                     exit::usage(
-                        "--batch needs a SQL store without --cache/--local-cache \
-                         (batches share one database transaction)",
+                        "--batch needs a SQL store or redis:// without \
+                         --cache/--local-cache",
                     )
                 })?
         }

@@ -1,11 +1,13 @@
 //! The subcommands, each written once, generic over [`Backend`].
 
+pub(crate) mod chaos;
 mod consume;
 mod dlq;
 mod inspect;
 mod migrate;
 mod produce;
 mod prune;
+mod relay;
 mod release;
 mod stats;
 
@@ -27,6 +29,7 @@ pub async fn run<B: Backend + Clone>(
     match command {
         Command::Consume(args) => consume::with_cache(store, args).await,
         Command::Produce(args) => produce::run(args).await,
+        Command::Relay(args) => relay::run(args, global).await,
         Command::Migrate => migrate::run(&store, url, &global.table_prefix).await,
         Command::Prune(args) => prune::run(&store, &args).await,
         Command::Stats(args) => stats::run(&store, &args).await,
@@ -34,10 +37,13 @@ pub async fn run<B: Backend + Clone>(
         Command::Release(args) => release::run(&store, &args).await,
         Command::Dlq(DlqCommand::List(args)) => dlq::list(&store, &args).await,
         Command::Dlq(DlqCommand::Replay(args)) => dlq::replay(store, args).await,
+        Command::Chaos(args) => chaos::run(args, global).await,
+        Command::ChaosWorker(args) => chaos::worker::run(args, global).await,
     }
 }
 
 pub use produce::{parse_fraction, run as produce};
+pub use relay::{run as relay, RelayArgs};
 
 /// Adds a hint to run `idemq migrate` when the store says a table is missing.
 fn admin_error(err: StoreError, doing: &str) -> anyhow::Error {

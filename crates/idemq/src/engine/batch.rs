@@ -33,6 +33,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::BoxFuture;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
@@ -41,7 +42,7 @@ use crate::error::{HandlerError, SourceError};
 use crate::message::{DeliveryMeta, Message};
 use crate::outcome::{Outcome, OutcomeKind, Summary};
 use crate::source::{Acknowledger, Delivery, Source};
-use crate::store::{BatchClaim, BatchStore, ClaimRequest, DeadLetterReason, InboxRecord};
+use crate::store::{BatchClaim, BatchStore, ClaimRequest, DeadLetterReason, InboxRecord, Store};
 
 /// How batches are formed in [`Consumer::run_batched`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,21 +73,43 @@ fn count(summary: &mut Summary, done: Result<Vec<OutcomeKind>, tokio::task::Join
 }
 
 /// One message of a batch while it is being processed.
-struct Item {
-    message: Message,
-    meta: DeliveryMeta,
-    acker: Box<dyn Acknowledger>,
-    outcome: Option<Outcome>,
+pub(super) struct Item {
+    pub(super) message: Message,
+    pub(super) meta: DeliveryMeta,
+    pub(super) acker: Box<dyn Acknowledger>,
+    pub(super) outcome: Option<Outcome>,
 }
 
 /// What happened to a leader (the first copy of a key in the batch).
-enum Led {
+pub(super) enum Led {
     Processed(Option<serde_json::Value>),
     Done(InboxRecord),
     Failed,
 }
 
-impl<S: BatchStore> Consumer<S> {
+/// Stores a consumer can run in batch mode ([`Consumer::run_batched`]):
+/// every [`BatchStore`] (a batch shares one transaction, as above) and the
+/// Redis lease store (a batch's claims and its completions take one round
+/// trip each; see [`lease_batch`](super::lease_batch)).
+pub trait BatchMode: Store + Sized {
+    /// Processes one polled batch and settles each delivery; returns the
+    /// outcomes in order.
+    fn run_batch(
+        consumer: &Consumer<Self>,
+        deliveries: Vec<Delivery>,
+    ) -> BoxFuture<'_, Vec<Outcome>>;
+}
+
+impl<S: BatchStore> BatchMode for S {
+    fn run_batch(
+        consumer: &Consumer<Self>,
+        deliveries: Vec<Delivery>,
+    ) -> BoxFuture<'_, Vec<Outcome>> {
+        Box::pin(consumer.process_batch(deliveries))
+    }
+}
+
+impl<S: BatchMode> Consumer<S> {
     /// Runs `source` in batches until it ends, and returns the outcome counts.
     ///
     /// ```
@@ -174,7 +197,7 @@ impl<S: BatchStore> Consumer<S> {
             }
             let consumer = self.clone();
             running.spawn(async move {
-                let outcomes = consumer.process_batch(batch).await;
+                let outcomes = S::run_batch(&consumer, batch).await;
                 drop(permit);
                 outcomes.iter().map(Outcome::kind).collect()
             });
@@ -189,12 +212,21 @@ impl<S: BatchStore> Consumer<S> {
         }
         Ok(summary)
     }
+}
 
-    /// Processes a batch of deliveries in one transaction (see the module
-    /// docs) and settles each with its source; returns the outcomes in order.
-    pub async fn process_batch(&self, deliveries: Vec<Delivery>) -> Vec<Outcome> {
-        let inner = &*self.inner;
-        let consumer = inner.name.as_str();
+/// A polled batch split into its messages, the first copy of each key
+/// (leaders: index, key, fingerprint) and later copies (followers: index,
+/// leader, fingerprint); undecodable messages are dead-lettered already.
+pub(super) struct Batch {
+    pub(super) items: Vec<Item>,
+    pub(super) leaders: Vec<(usize, String, String)>,
+    pub(super) followers: Vec<(usize, usize, String)>,
+}
+
+impl<S: Store> Consumer<S> {
+    /// Identifies every message of a batch and groups copies of one key
+    /// (the same for transactional and lease stores).
+    pub(super) async fn split_batch(&self, deliveries: Vec<Delivery>) -> Batch {
         let mut items = Vec::with_capacity(deliveries.len());
         // Leaders (first copy of each key) and followers (later copies).
         let mut leaders: Vec<(usize, String, String)> = Vec::new();
@@ -227,17 +259,24 @@ impl<S: BatchStore> Consumer<S> {
             items.push(item);
         }
 
-        // First without savepoints (two round trips fewer per message); if a
-        // handler fails, the whole transaction is rolled back and the batch
-        // runs again with a savepoint per message.
-        let led = match self.run_leaders(&mut items, &leaders, false).await {
-            Some(led) => led,
-            None => self
-                .run_leaders(&mut items, &leaders, true)
-                .await
-                .unwrap_or_else(|| leaders.iter().map(|_| Led::Failed).collect()),
-        };
+        Batch {
+            items,
+            leaders,
+            followers,
+        }
+    }
 
+    /// Answers the followers from their leaders' outcomes, then settles
+    /// every delivery in order and returns the outcomes.
+    pub(super) async fn finish_batch(
+        &self,
+        mut items: Vec<Item>,
+        leaders: &[(usize, String, String)],
+        followers: Vec<(usize, usize, String)>,
+        led: &[Led],
+    ) -> Vec<Outcome> {
+        let inner = &*self.inner;
+        let consumer = inner.name.as_str();
         for (index, leader, fingerprint) in followers {
             let key = leaders[leader].1.clone();
             let outcome = match &led[leader] {
@@ -282,13 +321,43 @@ impl<S: BatchStore> Consumer<S> {
     }
 
     /// A duplicate of a processed key, or a conflict if the payload differs.
-    async fn answer(&self, record: InboxRecord, fingerprint: String, item: &Item) -> Outcome {
+    pub(super) async fn answer(
+        &self,
+        record: InboxRecord,
+        fingerprint: String,
+        item: &Item,
+    ) -> Outcome {
         if record.fingerprint == fingerprint {
             Outcome::Duplicate { record }
         } else {
             self.conflict(record, fingerprint, &item.message, &item.meta)
                 .await
         }
+    }
+}
+
+impl<S: BatchStore> Consumer<S> {
+    /// Processes a batch of deliveries in one transaction (see the module
+    /// docs) and settles each with its source; returns the outcomes in order.
+    pub async fn process_batch(&self, deliveries: Vec<Delivery>) -> Vec<Outcome> {
+        let Batch {
+            mut items,
+            leaders,
+            followers,
+        } = self.split_batch(deliveries).await;
+
+        // First without savepoints (two round trips fewer per message); if a
+        // handler fails, the whole transaction is rolled back and the batch
+        // runs again with a savepoint per message.
+        let led = match self.run_leaders(&mut items, &leaders, false).await {
+            Some(led) => led,
+            None => self
+                .run_leaders(&mut items, &leaders, true)
+                .await
+                .unwrap_or_else(|| leaders.iter().map(|_| Led::Failed).collect()),
+        };
+
+        self.finish_batch(items, &leaders, followers, &led).await
     }
 
     /// Claims the leaders in one statement, runs their handlers (each in a
@@ -318,7 +387,10 @@ impl<S: BatchStore> Consumer<S> {
             .map(|(_, key, fp)| (key.as_str(), fp.as_str()))
             .collect();
         let (mut tx, answers) = match inner.store.claim_batch(consumer, &claims).await {
-            Ok(claimed) => claimed,
+            Ok(claimed) => {
+                crate::failpoint::failpoint!("after_claim");
+                claimed
+            }
             Err(e) => {
                 for (index, key, _) in leaders {
                     items[*index].outcome =
@@ -376,6 +448,7 @@ impl<S: BatchStore> Consumer<S> {
                     .await
                     .map_err(Some),
             };
+            crate::failpoint::failpoint!("after_handler");
             match result {
                 Ok(value) if !careful => {
                     led[n] = Led::Processed(value);
@@ -424,6 +497,7 @@ impl<S: BatchStore> Consumer<S> {
                         (leaders[n].1.as_str(), value)
                     })
                     .collect();
+                crate::failpoint::failpoint!("before_commit");
                 inner
                     .store
                     .commit_batch(tx, consumer, &results)
@@ -448,6 +522,7 @@ impl<S: BatchStore> Consumer<S> {
             }
             return Some(led);
         }
+        crate::failpoint::failpoint!("after_commit_before_ack");
         for &n in &processed {
             let (index, key, _) = &leaders[n];
             let result = match &led[n] {

@@ -372,7 +372,10 @@ impl<S: Store> Consumer<S> {
             lease: inner.lease,
         };
         let tx = match self.claim(&req).await {
-            Ok(Claim::New(tx)) => tx,
+            Ok(Claim::New(tx)) => {
+                crate::failpoint::failpoint!("after_claim");
+                tx
+            }
             Ok(Claim::Done(record)) if record.fingerprint == fingerprint => {
                 return Outcome::Duplicate { record }
             }
@@ -491,15 +494,22 @@ impl<S: Store> Consumer<S> {
                 .await;
         }
         let result = self.call_handler(&mut tx, req, message, meta).await;
+        crate::failpoint::failpoint!("after_handler");
         match result {
-            Ok(value) => match inner.store.commit(tx, req, value.as_ref()).await {
-                Ok(()) => Outcome::Processed {
-                    key: req.key.to_owned(),
-                    result: value,
-                },
-                // The commit may or may not have happened; the redelivery finds out.
-                Err(e) => self.busy(Some(req.key.to_owned()), format!("commit failed: {e}")),
-            },
+            Ok(value) => {
+                crate::failpoint::failpoint!("before_commit");
+                match inner.store.commit(tx, req, value.as_ref()).await {
+                    Ok(()) => {
+                        crate::failpoint::failpoint!("after_commit_before_ack");
+                        Outcome::Processed {
+                            key: req.key.to_owned(),
+                            result: value,
+                        }
+                    }
+                    // The commit may or may not have happened; the redelivery finds out.
+                    Err(e) => self.busy(Some(req.key.to_owned()), format!("commit failed: {e}")),
+                }
+            }
             Err(error) => {
                 if let Err(e) = inner.store.rollback(tx).await {
                     tracing::warn!(consumer = %inner.name, key = req.key, error = %e, "rollback failed");

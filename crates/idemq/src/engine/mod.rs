@@ -14,17 +14,20 @@
 //! everything committed, and the redelivery sorts it out.
 //!
 //! [`Consumer::run_batched`] runs the same steps for a whole polled batch in
-//! one transaction (SQL stores), with a savepoint per message; see [`batch`].
+//! one transaction (SQL stores), with a savepoint per message; see [`batch`];
+//! over the Redis lease store it claims and completes a batch in one round
+//! trip each; see [`lease_batch`].
 //! [`Consumer::run_watermarked`] replaces the per-message inbox row by an
 //! offset watermark per partition for partitioned logs; see [`watermark`].
 
 pub mod batch;
 mod consumer;
 mod handler;
+pub mod lease_batch;
 mod run;
 pub mod watermark;
 
-pub use batch::BatchOptions;
+pub use batch::{BatchMode, BatchOptions};
 pub use consumer::{validate_consumer_name, Consumer, ConsumerBuilder};
 pub use handler::{handler_fn, Context, FnHandler, Handler, HandlerResult};
 pub use watermark::WatermarkOptions;

@@ -19,14 +19,27 @@
 //! out one unsettled record per partition). A delivery without them is
 //! dead-lettered as invalid input. A dead-lettered record also moves the
 //! watermark, so a re-read does not dead-letter it again.
+//!
+//! Before the run, the source gets the watermarks ([`Source::resume_from`]):
+//! the Kafka source starts each partition it is assigned at the partition's
+//! watermark rather than at the group's committed offset, so records below
+//! it are not even fetched (e.g. after a crash between the database commit
+//! and the offset commit, or a reset of the group's offsets). The stored
+//! watermark wins over a committed offset in both directions. The
+//! per-record check above still answers whatever a source delivers below
+//! the watermark.
 
+use std::collections::HashMap;
 use std::future::Future;
+use std::sync::Arc;
+
+use async_trait::async_trait;
 
 use super::consumer::Consumer;
-use crate::error::{InputError, SourceError};
+use crate::error::{InputError, SourceError, StoreError};
 use crate::message::{DeliveryMeta, Message};
 use crate::outcome::{Outcome, Summary};
-use crate::source::{Delivery, Source};
+use crate::source::{Delivery, OffsetLookup, Source};
 use crate::store::{ClaimRequest, DeadLetterReason, InboxRecord, OffsetClaim, OffsetStore};
 
 /// How [`Consumer::run_watermarked`] deduplicates.
@@ -52,6 +65,33 @@ fn position(meta: &DeliveryMeta) -> Option<Position<'_>> {
     })
 }
 
+/// The watermarks of one consumer, as the source looks them up when
+/// partitions are assigned.
+struct Watermarks<S> {
+    store: Arc<S>,
+    consumer: String,
+}
+
+#[async_trait]
+impl<S: OffsetStore> OffsetLookup for Watermarks<S> {
+    async fn next_offsets(
+        &self,
+        topic: &str,
+        partitions: &[i32],
+    ) -> Result<HashMap<i32, i64>, StoreError> {
+        let lookups = partitions
+            .iter()
+            .map(|&p| async move { (p, self.store.watermark(&self.consumer, topic, p).await) });
+        let mut found = HashMap::new();
+        for (partition, next) in futures_util::future::join_all(lookups).await {
+            if let Some(next) = next? {
+                found.insert(partition, next);
+            }
+        }
+        Ok(found)
+    }
+}
+
 impl<S: OffsetStore> Consumer<S> {
     /// Runs `source` in offset-watermark mode until it ends (see the module
     /// docs); up to [`concurrency`](super::ConsumerBuilder::concurrency)
@@ -69,10 +109,16 @@ impl<S: OffsetStore> Consumer<S> {
     /// deliveries when `shutdown` completes.
     pub async fn run_watermarked_until(
         &self,
-        source: impl Source,
+        mut source: impl Source,
         options: WatermarkOptions,
         shutdown: impl Future<Output = ()>,
     ) -> Result<Summary, SourceError> {
+        source
+            .resume_from(Arc::new(Watermarks {
+                store: Arc::clone(&self.inner.store),
+                consumer: self.inner.name.clone(),
+            }))
+            .await;
         let consumer = self.clone();
         self.run_with(source, shutdown, move |delivery| {
             let consumer = consumer.clone();

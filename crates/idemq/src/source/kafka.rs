@@ -38,6 +38,18 @@
 //!   process that exits before the close finishes loses nothing either; the
 //!   group then waits for the session timeout before it rebalances.
 //!
+//! - In offset-watermark mode ([`Consumer::run_watermarked`](crate::Consumer::run_watermarked))
+//!   the engine hands the source the store's watermarks
+//!   ([`Source::resume_from`]). Every partition assigned from then on starts
+//!   at its watermark (the offsets are set in the assignment itself, looked
+//!   up in the rebalance callback), and partitions already assigned are
+//!   sought to it at once, their buffered records below it dropped; so
+//!   records already applied are not even fetched, whatever offset the group
+//!   committed. Partitions without a watermark start at the committed offset.
+//!   If the lookup fails or takes more than 10 s, the committed offset is
+//!   used and the engine's per-record check answers what was applied.
+//!   [`KafkaSource::counters`] counts records fetched and partitions positioned.
+//!
 //! Message mapping: the payload is the record value; [`Message::key`] is the
 //! record key (a key that is not UTF-8 turns the delivery into a defect that
 //! the engine dead-letters); the headers are the record headers;
@@ -72,21 +84,25 @@
 //! ```
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, RebalanceProtocol,
+};
+use rdkafka::error::KafkaError;
 use rdkafka::message::{BorrowedMessage, Header, Headers as _, Message as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
+use rdkafka::types::RDKafkaRespErr;
 use rdkafka::util::Timeout;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::sync::Notify;
 
 use super::url::BrokerUrl;
-use super::{Acknowledger, Delivery, Publisher, Source};
+use super::{Acknowledger, Delivery, OffsetLookup, Publisher, Source};
 use crate::error::{InputError, SourceError};
 use crate::key::KeySpec;
 use crate::message::{DeliveryMeta, Headers, Message};
@@ -287,6 +303,12 @@ struct Partition {
     paused: bool,
     /// Being revoked: nothing more is handed out.
     revoking: bool,
+    /// Records below this offset are already applied (the stored watermark
+    /// the partition was positioned at): dropped if fetched anyway.
+    floor: Option<i64>,
+    /// A seek to the watermark the polling thread is still to make; nothing
+    /// of the partition is handed out until it is made.
+    seek_to: Option<i64>,
 }
 
 #[derive(Debug, Default)]
@@ -294,6 +316,58 @@ struct State {
     partitions: HashMap<i32, Partition>,
     next_generation: u64,
     cursor: usize,
+    /// Positions set in an assignment, for the partitions it creates.
+    floors: HashMap<i32, i64>,
+}
+
+/// How long a rebalance waits for the stored watermarks.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What offset-watermark mode gave the source: the store's watermarks and
+/// the runtime to look them up on (the rebalance callback runs on the
+/// polling thread).
+struct Resume {
+    lookup: Arc<dyn OffsetLookup>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl std::fmt::Debug for Resume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Resume")
+    }
+}
+
+/// Counters of a [`KafkaSource`] ([`KafkaSource::counters`]).
+#[derive(Debug, Default)]
+pub struct KafkaCounters {
+    fetched: AtomicU64,
+    positioned_at_assignment: AtomicU64,
+    sought: AtomicU64,
+    dropped_below_watermark: AtomicU64,
+}
+
+impl KafkaCounters {
+    /// Records received from the broker for assigned partitions.
+    pub fn fetched(&self) -> u64 {
+        self.fetched.load(Ordering::SeqCst)
+    }
+
+    /// Partitions that an assignment started at their stored watermark
+    /// (offset-watermark mode) instead of the committed offset.
+    pub fn positioned_at_assignment(&self) -> u64 {
+        self.positioned_at_assignment.load(Ordering::SeqCst)
+    }
+
+    /// Partitions already assigned when the watermarks arrived, sought to them.
+    pub fn sought(&self) -> u64 {
+        self.sought.load(Ordering::SeqCst)
+    }
+
+    /// Fetched records dropped because they were below the partition's
+    /// watermark (fetched before the partition was sought to it).
+    pub fn dropped_below_watermark(&self) -> u64 {
+        self.dropped_below_watermark.load(Ordering::SeqCst)
+    }
 }
 
 #[derive(Debug)]
@@ -308,6 +382,9 @@ struct Shared {
     commit_lock: Mutex<()>,
     revoke_grace: Duration,
     max_buffered: usize,
+    /// Set by offset-watermark mode ([`Source::resume_from`]).
+    resume: Mutex<Option<Resume>>,
+    counters: Arc<KafkaCounters>,
 }
 
 impl Shared {
@@ -328,6 +405,64 @@ impl Shared {
         Ok(tpl)
     }
 
+    /// Offset-watermark mode: sets the offset of every partition in the
+    /// assignment `tpl` that has a stored watermark to that watermark
+    /// (runs in the rebalance callback, before the assignment is applied).
+    fn position(&self, tpl: &mut TopicPartitionList) {
+        let (lookup, runtime) = {
+            let resume = self.resume.lock().unwrap_or_else(|p| p.into_inner());
+            match &*resume {
+                Some(r) => (Arc::clone(&r.lookup), r.runtime.clone()),
+                None => return,
+            }
+        };
+        let partitions: Vec<i32> = tpl
+            .elements_for_topic(&self.topic)
+            .iter()
+            .map(|e| e.partition())
+            .collect();
+        if partitions.is_empty() {
+            return;
+        }
+        let found = runtime.block_on(async {
+            tokio::time::timeout(
+                LOOKUP_TIMEOUT,
+                lookup.next_offsets(&self.topic, &partitions),
+            )
+            .await
+        });
+        let found = match found {
+            Ok(Ok(found)) => found,
+            Ok(Err(e)) => {
+                tracing::warn!(topic = %self.topic, error = %e, "looking up the stored watermarks failed; the assigned partitions start at the committed offsets");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(topic = %self.topic, "looking up the stored watermarks timed out; the assigned partitions start at the committed offsets");
+                return;
+            }
+        };
+        let mut positioned = Vec::new();
+        for (partition, next) in found {
+            match tpl.set_partition_offset(&self.topic, partition, Offset::Offset(next)) {
+                Ok(()) => positioned.push((partition, next)),
+                Err(e) => {
+                    tracing::warn!(topic = %self.topic, partition, error = %e, "positioning a partition at its watermark failed")
+                }
+            }
+        }
+        positioned.sort_unstable();
+        let mut state = self.state();
+        for &(partition, next) in &positioned {
+            state.floors.insert(partition, next);
+        }
+        drop(state);
+        self.counters
+            .positioned_at_assignment
+            .fetch_add(positioned.len() as u64, Ordering::SeqCst);
+        tracing::info!(topic = %self.topic, ?positioned, "kafka partitions start at their stored watermarks");
+    }
+
     fn on_assign(&self, tpl: &TopicPartitionList) {
         let mut state = self.state();
         for elem in tpl.elements() {
@@ -336,14 +471,17 @@ impl Shared {
             }
             state.next_generation += 1;
             let generation = state.next_generation;
+            let floor = state.floors.remove(&elem.partition());
             state
                 .partitions
                 .entry(elem.partition())
                 .or_insert_with(|| Partition {
                     generation,
+                    floor,
                     ..Partition::default()
                 });
         }
+        state.floors.clear();
         let mut assigned: Vec<_> = state.partitions.keys().copied().collect();
         assigned.sort_unstable();
         drop(state);
@@ -424,6 +562,41 @@ struct KafkaContext {
 impl ClientContext for KafkaContext {}
 
 impl ConsumerContext for KafkaContext {
+    /// rdkafka's default rebalance, with the assigned partitions first
+    /// positioned at their stored watermarks (offset-watermark mode).
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let assigning = err == RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS;
+        if assigning {
+            self.shared.position(tpl);
+        }
+        let tpl: &TopicPartitionList = tpl;
+        let rebalance = match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => Rebalance::Assign(tpl),
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => Rebalance::Revoke(tpl),
+            _ => Rebalance::Error(KafkaError::Rebalance(err.into())),
+        };
+        self.pre_rebalance(consumer, &rebalance);
+        let cooperative = matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        );
+        let applied = match (assigning, cooperative) {
+            (true, true) => consumer.incremental_assign(tpl),
+            (true, false) => consumer.assign(tpl),
+            (false, true) => consumer.incremental_unassign(tpl),
+            (false, false) => consumer.unassign(),
+        };
+        if let Err(e) = applied {
+            tracing::warn!(topic = %self.shared.topic, error = %e, assigning, "applying a kafka rebalance failed");
+        }
+        self.post_rebalance(consumer, &rebalance);
+    }
+
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Revoke(tpl) => self.shared.on_revoke(consumer, tpl),
@@ -480,6 +653,8 @@ impl KafkaSource {
             commit_lock: Mutex::new(()),
             revoke_grace: config.revoke_grace,
             max_buffered: config.max_buffered.max(1),
+            resume: Mutex::new(None),
+            counters: Arc::default(),
         });
         let context = KafkaContext {
             shared: Arc::clone(&shared),
@@ -536,6 +711,71 @@ impl KafkaSource {
         })
     }
 
+    /// Counts of records fetched and partitions positioned (shared: read
+    /// them while the source runs, or after it was moved into a run).
+    pub fn counters(&self) -> Arc<KafkaCounters> {
+        Arc::clone(&self.shared.counters)
+    }
+
+    /// Partitions assigned before the watermarks arrived: drops their
+    /// buffered records below the watermark and asks the polling thread to
+    /// seek them to it (see [`Poller::apply_seeks`]); nothing of such a
+    /// partition is handed out until then. Partitions with a delivery in
+    /// flight are left to the per-record check.
+    async fn seek_assigned(&self) {
+        let Some(lookup) = self
+            .shared
+            .resume
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|r| Arc::clone(&r.lookup))
+        else {
+            return;
+        };
+        let assigned = self.assigned_partitions();
+        if assigned.is_empty() {
+            return;
+        }
+        let topic = &self.shared.topic;
+        let found = match tokio::time::timeout(
+            LOOKUP_TIMEOUT,
+            lookup.next_offsets(topic, &assigned),
+        )
+        .await
+        {
+            Ok(Ok(found)) => found,
+            Ok(Err(e)) => {
+                tracing::warn!(topic = %topic, error = %e, "looking up the stored watermarks failed; the assigned partitions go on from the committed offsets");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(topic = %topic, "looking up the stored watermarks timed out; the assigned partitions go on from the committed offsets");
+                return;
+            }
+        };
+        let mut state = self.shared.state();
+        for (partition, next) in found {
+            let Some(p) = state.partitions.get_mut(&partition) else {
+                continue;
+            };
+            if p.in_flight.is_some() || p.revoking {
+                continue;
+            }
+            let before = p.buffer.len();
+            p.buffer.retain(|r| r.offset >= next);
+            if p.retry.as_ref().is_some_and(|(_, r)| r.offset < next) {
+                p.retry = None;
+            }
+            self.shared
+                .counters
+                .dropped_below_watermark
+                .fetch_add((before - p.buffer.len()) as u64, Ordering::SeqCst);
+            p.floor = Some(next);
+            p.seek_to = Some(next);
+        }
+    }
+
     /// The partitions this member owns right now.
     pub fn assigned_partitions(&self) -> Vec<i32> {
         let mut partitions: Vec<_> = self.shared.state().partitions.keys().copied().collect();
@@ -556,7 +796,7 @@ impl KafkaSource {
             let Some(p) = state.partitions.get_mut(&id) else {
                 continue;
             };
-            if p.in_flight.is_some() || p.revoking {
+            if p.in_flight.is_some() || p.revoking || p.seek_to.is_some() {
                 continue;
             }
             let record = match &p.retry {
@@ -613,6 +853,15 @@ impl Drop for KafkaSource {
 
 #[async_trait]
 impl Source for KafkaSource {
+    /// Positions every partition at its stored watermark from now on (see
+    /// the [module docs](self)).
+    async fn resume_from(&mut self, lookup: Arc<dyn OffsetLookup>) {
+        let runtime = tokio::runtime::Handle::current();
+        *self.shared.resume.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(Resume { lookup, runtime });
+        self.seek_assigned().await;
+    }
+
     async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
         loop {
             let ready = self.shared.ready.notified();
@@ -648,7 +897,17 @@ impl Poller {
                     drop(msg);
                     let mut state = self.shared.state();
                     match state.partitions.get_mut(&partition) {
-                        Some(p) => p.buffer.push_back(record),
+                        Some(p) if p.floor.is_some_and(|floor| record.offset < floor) => {
+                            self.shared.counters.fetched.fetch_add(1, Ordering::SeqCst);
+                            self.shared
+                                .counters
+                                .dropped_below_watermark
+                                .fetch_add(1, Ordering::SeqCst);
+                        }
+                        Some(p) => {
+                            self.shared.counters.fetched.fetch_add(1, Ordering::SeqCst);
+                            p.buffer.push_back(record);
+                        }
                         None => {
                             tracing::debug!(partition, "record of an unassigned partition dropped")
                         }
@@ -661,10 +920,64 @@ impl Poller {
                 }
             }
             self.flow_control();
+            self.apply_seeks();
         }
         tracing::debug!(topic = %self.shared.topic, "kafka source stopped; closing the consumer");
         // Dropping the last strong reference closes the consumer: the
         // revocation commits what is settled. Ackers only hold weak references.
+    }
+
+    /// Makes the seeks [`KafkaSource::seek_assigned`] asked for. On this
+    /// thread, between two polls, so every record polled afterwards comes
+    /// from the new position: the buffer, fetched from the old one, is
+    /// dropped (it is fetched again in order). If a seek fails, the buffer
+    /// (all at or past the watermark) is kept and delivery goes on in order.
+    fn apply_seeks(&self) {
+        let wanted: Vec<(i32, i64, u64)> = self
+            .shared
+            .state()
+            .partitions
+            .iter()
+            .filter_map(|(id, p)| p.seek_to.map(|next| (*id, next, p.generation)))
+            .collect();
+        if wanted.is_empty() {
+            return;
+        }
+        let mut sought = Vec::new();
+        for (partition, next, generation) in wanted {
+            let result = self.consumer.seek(
+                &self.shared.topic,
+                partition,
+                Offset::Offset(next),
+                Duration::from_secs(10),
+            );
+            let mut state = self.shared.state();
+            let Some(p) = state.partitions.get_mut(&partition) else {
+                continue;
+            };
+            if p.generation != generation {
+                continue;
+            }
+            p.seek_to = None;
+            match result {
+                Ok(()) => {
+                    p.buffer.clear();
+                    sought.push((partition, next));
+                }
+                Err(e) => {
+                    tracing::warn!(topic = %self.shared.topic, partition, error = %e, "seeking a partition to its watermark failed; records below it are dropped as they arrive")
+                }
+            }
+        }
+        self.shared
+            .counters
+            .sought
+            .fetch_add(sought.len() as u64, Ordering::SeqCst);
+        self.shared.ready.notify_waiters();
+        if !sought.is_empty() {
+            sought.sort_unstable();
+            tracing::info!(topic = %self.shared.topic, ?sought, "assigned kafka partitions sought to their stored watermarks");
+        }
     }
 
     fn flow_control(&self) {

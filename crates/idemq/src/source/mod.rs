@@ -5,11 +5,13 @@
 //! nack with a delay for a retry, or dead-letter. The engine never acks
 //! before the commit.
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::error::{InputError, SourceError};
+use crate::error::{InputError, SourceError, StoreError};
 use crate::message::{DeliveryMeta, Message};
 use crate::store::DeadLetterReason;
 
@@ -115,6 +117,19 @@ pub trait Publisher: Send + Sync {
     }
 }
 
+/// Where a partitioned log resumes: the store's offset watermarks, which
+/// offset-watermark mode hands to the source ([`Source::resume_from`]).
+#[async_trait]
+pub trait OffsetLookup: Send + Sync {
+    /// The next offset to read of each of `partitions` of `topic` that has a
+    /// stored position; partitions without one are left out.
+    async fn next_offsets(
+        &self,
+        topic: &str,
+        partitions: &[i32],
+    ) -> Result<HashMap<i32, i64>, StoreError>;
+}
+
 /// A stream of deliveries.
 #[async_trait]
 pub trait Source: Send {
@@ -128,12 +143,27 @@ pub trait Source: Send {
     /// do it here, so that a process exiting right after the run loses no
     /// settlement. The engine's run loops call it; the default does nothing.
     async fn close(&mut self) {}
+
+    /// Offset-watermark mode calls this once, before its run, with the
+    /// store's watermarks. A source over a partitioned log (Kafka) then
+    /// starts every partition it is assigned — at every assignment, and at
+    /// once for partitions it already holds — at the stored position instead
+    /// of the group's committed offset, so records already applied are not
+    /// even fetched. The default ignores it: the engine's per-record check
+    /// still answers such records as duplicates. Wrappers should forward it.
+    async fn resume_from(&mut self, lookup: Arc<dyn OffsetLookup>) {
+        let _ = lookup;
+    }
 }
 
 #[async_trait]
 impl<S: Source + ?Sized> Source for Box<S> {
     async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
         (**self).next().await
+    }
+
+    async fn resume_from(&mut self, lookup: Arc<dyn OffsetLookup>) {
+        (**self).resume_from(lookup).await
     }
 
     async fn close(&mut self) {

@@ -284,6 +284,58 @@ pub trait BatchStore: Store {
     ) -> Result<(), StoreError>;
 }
 
+/// One held lease to complete in [`LeaseBatchStore::complete_leases`].
+#[derive(Debug)]
+pub struct LeaseCompletion<'a, Tx> {
+    /// The lease, as [`LeaseBatchStore::claim_leases`] handed it out.
+    pub lease: Tx,
+    /// The payload fingerprint stored with the key.
+    pub fingerprint: &'a str,
+    /// The handler's result, stored with the key.
+    pub result: Option<&'a serde_json::Value>,
+}
+
+/// Lease stores that claim and complete a whole batch of keys in one round
+/// trip each (the Redis store): the lease-store counterpart of
+/// [`BatchStore`], driven by the engine's batch mode.
+///
+/// The engine calls, per batch: [`lease_group`](Self::lease_group);
+/// [`claim_leases`](Self::claim_leases) once (again for keys found in
+/// flight, when it waits for them); the handlers, each with its own lease;
+/// finally [`complete_leases`](Self::complete_leases) once, with every lease
+/// it got. Dropping the group instead (the batch was cancelled) releases the
+/// leases still held.
+#[async_trait]
+pub trait LeaseBatchStore: Store {
+    /// The leases held by one batch: one heartbeat keeps all of them alive.
+    type Leases: Send + 'static;
+
+    /// An empty group whose leases last `lease` without a heartbeat.
+    fn lease_group(&self, lease: Duration) -> Self::Leases;
+
+    /// Claims every `(key, fingerprint)` of `consumer` in one round trip;
+    /// new leases join `group`. Answers in the order given; the keys must be
+    /// distinct.
+    async fn claim_leases(
+        &self,
+        group: &mut Self::Leases,
+        consumer: &str,
+        claims: &[(&str, &str)],
+    ) -> Result<Vec<Claim<Self::Tx>>, StoreError>;
+
+    /// Stops the group's heartbeat and, in one round trip, completes `done`
+    /// (compare-and-set on each lease's token, with the result and the
+    /// retention TTL) and releases `failed` (compare-and-delete). Answers,
+    /// per completion in order, whether it held; `false`: the lease was lost
+    /// (taken over after expiring) and the completion refused.
+    async fn complete_leases(
+        &self,
+        group: Self::Leases,
+        done: Vec<LeaseCompletion<'_, Self::Tx>>,
+        failed: Vec<Self::Tx>,
+    ) -> Result<Vec<bool>, StoreError>;
+}
+
 /// The answer to an offset claim in offset-watermark mode.
 #[derive(Debug)]
 pub enum OffsetClaim<Tx> {

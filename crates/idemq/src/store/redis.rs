@@ -136,6 +136,10 @@ use super::{
 };
 use crate::error::StoreError;
 
+#[path = "redis_batch.rs"]
+mod batch;
+pub use batch::RedisLeaseGroup;
+
 /// Options of a [`RedisStore`] (and of a [`RedisFilter`](super::cache::RedisFilter)).
 #[derive(Debug, Clone)]
 pub struct RedisOptions {

@@ -703,22 +703,41 @@ macro_rules! sql_store {
                 use sqlx::Row;
                 use $crate::store::sql::store_error;
                 let mut tx = self.pool.begin().await.map_err(store_error)?;
-                sqlx::query(&self.queries.offset_ensure)
+                // Lock the partition's row; only the first claim of a
+                // partition ever finds none and creates it (one round trip
+                // per message in the steady state, not two).
+                let lock = sqlx::query(&self.queries.offset_lock)
                     .bind(consumer)
                     .bind(topic)
-                    .bind(partition)
-                    .bind($crate::store::now_ms())
-                    .execute(&mut *tx)
+                    .bind(partition);
+                let mut next_offset: Option<i64> = lock
+                    .fetch_optional(&mut *tx)
                     .await
+                    .and_then(|row| row.map(|r| r.try_get::<i64, _>(0)).transpose())
                     .map_err(store_error)?;
-                let next_offset: i64 = sqlx::query(&self.queries.offset_lock)
-                    .bind(consumer)
-                    .bind(topic)
-                    .bind(partition)
-                    .fetch_one(&mut *tx)
-                    .await
-                    .and_then(|row| row.try_get::<i64, _>(0))
-                    .map_err(store_error)?;
+                if next_offset.is_none() {
+                    sqlx::query(&self.queries.offset_ensure)
+                        .bind(consumer)
+                        .bind(topic)
+                        .bind(partition)
+                        .bind($crate::store::now_ms())
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(store_error)?;
+                    next_offset = sqlx::query(&self.queries.offset_lock)
+                        .bind(consumer)
+                        .bind(topic)
+                        .bind(partition)
+                        .fetch_optional(&mut *tx)
+                        .await
+                        .and_then(|row| row.map(|r| r.try_get::<i64, _>(0)).transpose())
+                        .map_err(store_error)?;
+                }
+                let next_offset = next_offset.ok_or_else(|| {
+                    $crate::StoreError::Transient(format!(
+                        "the offset row of {topic}/{partition} is not visible after creating it"
+                    ))
+                })?;
                 if offset < next_offset {
                     tx.rollback().await.map_err(store_error)?;
                     return Ok($crate::store::OffsetClaim::Applied { next_offset });

@@ -1,0 +1,264 @@
+//! The store of a chaos cell: the idemq tables (migrations, dead letters)
+//! and the ledger the workers write.
+//!
+//! SQL stores: the ledger is a table *without* a unique constraint on the
+//! business key, written by `consume --apply-sql` in the inbox transaction,
+//! so a double effect is a second row. Redis (a lease store, no SQL): the
+//! worker writes the documented lease-store pattern, an effect keyed by the
+//! derived idempotency key and fenced by the lease's fencing number; every
+//! accepted write is counted, so re-executions after a lost lease show up.
+
+use std::collections::BTreeMap;
+
+use anyhow::{Context, Result};
+use idemq::store::{DeadLetterRecord, StoreAdmin};
+
+use crate::backend::{Kind, StoreUrl};
+
+/// What the ledger holds at the end of a cell.
+#[derive(Debug, Default)]
+pub struct LedgerState {
+    /// Per business key: (rows, sum of amounts).
+    pub per_key: BTreeMap<String, (u64, i64)>,
+    /// Lease stores: accepted effect writes beyond the first per key (the
+    /// handler ran again after a lost lease; the keyed write absorbed it).
+    pub rewrites: Option<u64>,
+}
+
+/// A connected store of one cell.
+pub enum CellStore {
+    /// SQLite.
+    #[cfg(feature = "sqlite")]
+    Sqlite(idemq::store::sql::sqlite::SqliteStore),
+    /// PostgreSQL.
+    #[cfg(feature = "postgres")]
+    Postgres(idemq::store::sql::postgres::PostgresStore),
+    /// MySQL / MariaDB.
+    #[cfg(feature = "mysql")]
+    MySql(idemq::store::sql::mysql::MySqlStore),
+    /// The Redis lease store, and a connection for the ledger.
+    #[cfg(feature = "redis")]
+    Redis(idemq::store::redis::RedisStore),
+}
+
+/// The Redis keys of a lease-store ledger named `base`: effects by
+/// idempotency key, their fencing numbers, and accepted writes per key.
+#[cfg(feature = "redis")]
+pub fn redis_ledger_keys(base: &str) -> [String; 3] {
+    [
+        format!("{base}:ledger"),
+        format!("{base}:fence"),
+        format!("{base}:writes"),
+    ]
+}
+
+/// The idemq key prefix of the Redis store for a table prefix (as `main` does).
+#[cfg(feature = "redis")]
+pub fn redis_prefix(table_prefix: &str) -> String {
+    let prefix = table_prefix.trim_end_matches('_');
+    if prefix.is_empty() {
+        "idemq".to_owned()
+    } else {
+        prefix.to_owned()
+    }
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+macro_rules! sql_rows {
+    ($store:expr, $table:expr) => {{
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as(&format!("SELECT order_id, amount FROM {}", $table))
+                .fetch_all($store.pool())
+                .await?;
+        rows
+    }};
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+macro_rules! sql_count {
+    ($store:expr, $table:expr) => {{
+        let (n,): (i64,) = sqlx::query_as(&format!("SELECT COUNT(*) FROM {}", $table))
+            .fetch_one($store.pool())
+            .await?;
+        u64::try_from(n).unwrap_or(0)
+    }};
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+macro_rules! sql_exec {
+    ($store:expr, $sql:expr) => {{
+        sqlx::raw_sql($sql).execute($store.pool()).await?;
+    }};
+}
+
+impl CellStore {
+    /// Connects to the store `url` names with the cell's table prefix.
+    pub async fn connect(url: &StoreUrl, prefix: &str) -> Result<Self> {
+        #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+        let options = idemq::store::sql::SqlOptions::default().table_prefix(prefix);
+        let connecting = || format!("connecting to {url}");
+        Ok(match url.kind {
+            #[cfg(feature = "sqlite")]
+            Kind::Sqlite => CellStore::Sqlite(
+                idemq::store::sql::sqlite::SqliteStore::connect_with(&url.url, options)
+                    .await
+                    .with_context(connecting)?,
+            ),
+            #[cfg(feature = "postgres")]
+            Kind::Postgres => CellStore::Postgres(
+                idemq::store::sql::postgres::PostgresStore::connect_with(&url.url, options)
+                    .await
+                    .with_context(connecting)?,
+            ),
+            #[cfg(feature = "mysql")]
+            Kind::MySql => CellStore::MySql(
+                idemq::store::sql::mysql::MySqlStore::connect_with(&url.url, options)
+                    .await
+                    .with_context(connecting)?,
+            ),
+            #[cfg(feature = "redis")]
+            Kind::Redis => {
+                use idemq::store::redis::{RedisOptions, RedisStore};
+                let options = RedisOptions::default().prefix(redis_prefix(prefix));
+                CellStore::Redis(
+                    RedisStore::connect_with(&url.url, options)
+                        .await
+                        .with_context(connecting)?,
+                )
+            }
+        })
+    }
+
+    /// The store's admin side (migrations, dead letters).
+    fn admin(&self) -> &dyn StoreAdmin {
+        match self {
+            #[cfg(feature = "sqlite")]
+            CellStore::Sqlite(s) => s,
+            #[cfg(feature = "postgres")]
+            CellStore::Postgres(s) => s,
+            #[cfg(feature = "mysql")]
+            CellStore::MySql(s) => s,
+            #[cfg(feature = "redis")]
+            CellStore::Redis(s) => s,
+        }
+    }
+
+    /// Whether the store is a SQL database (`consume --apply-sql` works).
+    pub fn is_sql(&self) -> bool {
+        match self {
+            #[cfg(feature = "redis")]
+            CellStore::Redis(_) => false,
+            #[allow(unreachable_patterns)]
+            _ => true,
+        }
+    }
+
+    /// Creates the idemq tables and an empty ledger `table` (no unique
+    /// constraint on the business key).
+    pub async fn prepare(&self, table: &str) -> Result<()> {
+        self.admin()
+            .migrate()
+            .await
+            .context("migrating the idemq tables")?;
+        let create = format!(
+            "CREATE TABLE {table} (order_id VARCHAR(100) NOT NULL, amount BIGINT NOT NULL, \
+             msg_id VARCHAR(200) NULL)"
+        );
+        match self {
+            #[cfg(feature = "sqlite")]
+            CellStore::Sqlite(s) => sql_exec!(s, &create),
+            #[cfg(feature = "postgres")]
+            CellStore::Postgres(s) => sql_exec!(s, &create),
+            #[cfg(feature = "mysql")]
+            CellStore::MySql(s) => sql_exec!(s, &create),
+            #[cfg(feature = "redis")]
+            CellStore::Redis(s) => {
+                let mut conn = s.connection().clone();
+                let _: () = redis::cmd("DEL")
+                    .arg(&redis_ledger_keys(table)[..])
+                    .query_async(&mut conn)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// How many effects the ledger holds (for pacing the kills).
+    pub async fn applied(&self, table: &str) -> Result<u64> {
+        Ok(match self {
+            #[cfg(feature = "sqlite")]
+            CellStore::Sqlite(s) => sql_count!(s, table),
+            #[cfg(feature = "postgres")]
+            CellStore::Postgres(s) => sql_count!(s, table),
+            #[cfg(feature = "mysql")]
+            CellStore::MySql(s) => sql_count!(s, table),
+            #[cfg(feature = "redis")]
+            CellStore::Redis(s) => {
+                let mut conn = s.connection().clone();
+                let [ledger, _, _] = redis_ledger_keys(table);
+                redis::cmd("HLEN")
+                    .arg(ledger)
+                    .query_async(&mut conn)
+                    .await?
+            }
+        })
+    }
+
+    /// The ledger, grouped by business key.
+    pub async fn ledger(&self, table: &str) -> Result<LedgerState> {
+        let mut state = LedgerState::default();
+        let rows: Vec<(String, i64)> = match self {
+            #[cfg(feature = "sqlite")]
+            CellStore::Sqlite(s) => sql_rows!(s, table),
+            #[cfg(feature = "postgres")]
+            CellStore::Postgres(s) => sql_rows!(s, table),
+            #[cfg(feature = "mysql")]
+            CellStore::MySql(s) => sql_rows!(s, table),
+            #[cfg(feature = "redis")]
+            CellStore::Redis(s) => {
+                let mut conn = s.connection().clone();
+                let [ledger, _, writes] = redis_ledger_keys(table);
+                let effects: BTreeMap<String, String> = redis::cmd("HGETALL")
+                    .arg(&ledger)
+                    .query_async(&mut conn)
+                    .await?;
+                let counts: BTreeMap<String, u64> = redis::cmd("HGETALL")
+                    .arg(&writes)
+                    .query_async(&mut conn)
+                    .await?;
+                state.rewrites = Some(counts.values().map(|n| n.saturating_sub(1)).sum());
+                effects
+                    .values()
+                    .filter_map(|v| {
+                        let (key, amount) = v.rsplit_once(' ')?;
+                        Some((key.to_owned(), amount.parse().ok()?))
+                    })
+                    .collect()
+            }
+        };
+        for (key, amount) in rows {
+            let entry = state.per_key.entry(key).or_insert((0, 0));
+            entry.0 += 1;
+            entry.1 += amount;
+        }
+        Ok(state)
+    }
+
+    /// Every dead letter of `consumer`.
+    pub async fn dead_letters(&self, consumer: &str) -> Result<Vec<DeadLetterRecord>> {
+        let mut all = Vec::new();
+        let mut after = 0;
+        loop {
+            let page = self
+                .admin()
+                .dead_letters(Some(consumer), after, 500)
+                .await
+                .context("reading the dead letters")?;
+            let Some(last) = page.last() else {
+                return Ok(all);
+            };
+            after = last.id;
+            all.extend(page);
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! `idemq relay`: publish the rows of a transactional outbox table to a
+//! broker (or a JSON-lines file), in order per key, at least once, with the
+//! row id as the message id and `event_id` header.
+
+use std::process::ExitCode;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use idemq::outbox::{Outbox, OutboxDatabase, OutboxError, Relay, RelayOptions};
+use idemq::source::Publisher;
+
+use crate::backend::{Kind, StoreUrl};
+use crate::endpoint::Endpoint;
+use crate::interrupt::Interrupt;
+use crate::{exit, GlobalArgs};
+
+/// `idemq relay`.
+#[derive(Debug, Args)]
+pub struct RelayArgs {
+    /// Where to publish: a broker URL (as for `consume`: kafka://, amqp://,
+    /// sqs://, nats://, redis-stream://, mqtt://, rocketmq://), a JSON-lines
+    /// file (appended), or `-` for stdout.
+    #[arg(long, value_name = "URL", value_parser = Endpoint::from_str)]
+    pub to: Endpoint,
+
+    /// Relay only rows of this destination (`aggregatetype`); repeatable.
+    /// Default: every destination.
+    #[arg(long = "destination", value_name = "NAME")]
+    pub destinations: Vec<String>,
+
+    /// Rows per batch (one transaction; the batch's keys are held meanwhile).
+    #[arg(long, default_value_t = 100, value_name = "N", value_parser = crate::parse_positive)]
+    pub batch: usize,
+
+    /// How long to wait between polls of an empty outbox (PostgreSQL relays
+    /// are also woken by NOTIFY at every insert).
+    #[arg(long, default_value = "1s", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub poll_interval: Duration,
+
+    /// Stop when nothing was published for this long (e.g. `5s`).
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub idle_exit: Option<Duration>,
+
+    /// How long the broker may take to confirm one message before the
+    /// publish counts as failed (the row is retried with backoff).
+    #[arg(long, default_value = "30s", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    pub publish_timeout: Duration,
+
+    /// Create the outbox table `{prefix}outbox` first if it is missing (the
+    /// producers' `Outbox::migrate` does the same).
+    #[arg(long)]
+    pub migrate: bool,
+}
+
+/// Connects to the store and the destination and relays until Ctrl-C or
+/// `--idle-exit`.
+pub async fn run(args: RelayArgs, global: &GlobalArgs) -> Result<ExitCode> {
+    let url: StoreUrl = global.store.parse().map_err(exit::usage)?;
+    // Validate the prefix before connecting anywhere.
+    idemq::store::sql::Tables::new(&global.table_prefix).map_err(exit::usage)?;
+    let publisher: Arc<dyn Publisher> = Arc::from(args.to.open_publisher().await?);
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    let options = idemq::store::sql::SqlOptions::default().table_prefix(&global.table_prefix);
+    match url.kind {
+        #[cfg(feature = "sqlite")]
+        Kind::Sqlite => {
+            let store = crate::backend::connect_sql!(
+                idemq::store::sql::sqlite::SqliteStore,
+                &url,
+                options
+            )?;
+            relay(store.pool().clone(), &args, global, &url, publisher).await
+        }
+        #[cfg(feature = "postgres")]
+        Kind::Postgres => {
+            let store = crate::backend::connect_sql!(
+                idemq::store::sql::postgres::PostgresStore,
+                &url,
+                options
+            )?;
+            relay(store.pool().clone(), &args, global, &url, publisher).await
+        }
+        #[cfg(feature = "mysql")]
+        Kind::MySql => {
+            let store =
+                crate::backend::connect_sql!(idemq::store::sql::mysql::MySqlStore, &url, options)?;
+            relay(store.pool().clone(), &args, global, &url, publisher).await
+        }
+        #[cfg(feature = "redis")]
+        Kind::Redis => Err(exit::usage(format!(
+            "{url} is not a SQL database: the outbox lives in the application's SQL database"
+        ))),
+    }
+}
+
+async fn relay<DB: OutboxDatabase>(
+    pool: sqlx::Pool<DB>,
+    args: &RelayArgs,
+    global: &GlobalArgs,
+    url: &StoreUrl,
+    publisher: Arc<dyn Publisher>,
+) -> Result<ExitCode> {
+    let outbox = Outbox::<DB>::new(&global.table_prefix).map_err(exit::usage)?;
+    if args.migrate {
+        outbox
+            .migrate(&pool)
+            .await
+            .with_context(|| format!("creating {} in {url}", outbox.table()))?;
+    }
+    let table = outbox.table().to_owned();
+    let options = RelayOptions {
+        batch_size: args.batch,
+        poll_interval: args.poll_interval,
+        idle_exit: args.idle_exit,
+        publish_timeout: args.publish_timeout,
+        name: format!("relay-{}", std::process::id()),
+        ..RelayOptions::default()
+    };
+    let relay = Relay::new(pool, outbox, publisher, options).only(args.destinations.clone());
+    let interrupt = Interrupt::listen();
+    let stats = relay
+        .run({
+            let interrupt = interrupt.clone();
+            async move { interrupt.wait().await }
+        })
+        .await
+        .map_err(|e| relay_error(e, &table, url))?;
+    let line = format!("relayed from {table}: {stats}");
+    if matches!(args.to, Endpoint::Std) {
+        eprintln!("{line}");
+    } else {
+        println!("{line}");
+    }
+    Ok(if interrupt.is_set() {
+        ExitCode::from(exit::INTERRUPTED)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// Adds a hint to a missing table.
+fn relay_error(err: OutboxError, table: &str, url: &StoreUrl) -> anyhow::Error {
+    let text = err.to_string();
+    let missing = ["does not exist", "doesn't exist", "no such table"]
+        .iter()
+        .any(|m| text.contains(m));
+    let context = if missing {
+        format!("relaying {table} in {url} (is the table missing? pass --migrate)")
+    } else {
+        format!("relaying {table} in {url}")
+    };
+    anyhow::Error::new(err).context(context)
+}

@@ -1,0 +1,382 @@
+//! The transactional outbox: write the messages an application must publish
+//! into a table **in the same database transaction** as its business
+//! writes, and let a [`Relay`] publish them to a broker afterwards.
+//!
+//! Publishing straight from a business transaction is a dual write: the
+//! transaction may roll back after the broker took the message, or the
+//! process may die after the commit and before the publish. With the outbox
+//! the message exists exactly when the business change does; the relay then
+//! publishes it at least once, with the outbox row's id as the message id
+//! (and header `event_id`), so that an idemq consumer keyed by
+//! `header:event_id` applies every event exactly once.
+//!
+//! # The table
+//!
+//! `{prefix}outbox` (prefix as for the inbox, default `idemq_`), created by
+//! [`Outbox::migrate`], uses the column layout of the Debezium outbox event
+//! router, so that a team can replace the relay with Debezium without
+//! changing producers:
+//!
+//! | column          | meaning                                                       | message              |
+//! |-----------------|---------------------------------------------------------------|----------------------|
+//! | `seq`           | auto-increment: the relay order                               | —                    |
+//! | `id`            | event id (a UUID unless given), unique                        | [`Message::id`], header `event_id` |
+//! | `aggregatetype` | the destination (Debezium routes by it)                       | picks the publisher  |
+//! | `aggregateid`   | the key; order is kept per (destination, key)                 | [`Message::key`]     |
+//! | `type`          | the event type (may be empty)                                 | header `event_type`  |
+//! | `payload`       | the payload bytes                                             | [`Message::payload`] |
+//! | `headers`       | JSON object of headers ([`Headers::to_json`]), or NULL        | headers              |
+//! | `created_at`, `attempts`, `available_at`, `last_error` | the relay's bookkeeping (ms since the epoch) | — |
+//!
+//! # Ordering
+//!
+//! A relay holds a (destination, key) by locking the key's *oldest* row:
+//! it reads the oldest row of each key, locks those rows with
+//! `FOR UPDATE SKIP LOCKED` (PostgreSQL, MariaDB ≥ 10.6), and publishes the
+//! rows of the keys it got, in `seq` order, inside that transaction. Another
+//! relay sees the same oldest row, cannot lock it, and skips the whole key
+//! — it never takes a later row of a key whose earlier row is in flight.
+//! Rows are deleted only after the broker confirmed them, and after a
+//! failed publish the key's remaining rows wait (with backoff) behind it.
+//! On SQLite, which has no row locks, the batch transaction starts with
+//! `BEGIN IMMEDIATE`: relays take turns on the database's single write lock
+//! (and application writes wait for a batch; keep batches small).
+//!
+//! `seq` order is insertion order. Two transactions that enqueue for the
+//! same key concurrently without serializing on the aggregate can commit in
+//! the other order; enqueue *after* the write that locks the aggregate
+//! (e.g. the `UPDATE orders …`) and insertion order is commit order.
+//!
+//! # Failure windows
+//!
+//! - The business transaction rolls back: the row never existed.
+//! - A publish fails or times out: the row stays, its `attempts` grows and
+//!   it is retried after a backoff; later rows of its key wait.
+//! - The relay dies after the broker took a message and before the delete
+//!   commits: its transaction rolls back, and the next relay publishes the
+//!   same row again **with the same id** — at least once, never lost; the
+//!   consumer's inbox (keyed by `event_id`) drops the copy.
+//!
+//! See `docs/outbox.md` for the whole chain.
+
+mod db;
+mod relay;
+mod schema;
+
+use std::marker::PhantomData;
+
+pub use relay::{BatchReport, Relay, RelayOptions, RelayStats};
+pub use schema::OUTBOX_SCHEMA_VERSION;
+
+use crate::error::ConfigError;
+use crate::message::Headers;
+use crate::store::sql::{Queries, Tables};
+use db::{Bind, Ops};
+use schema::Statements;
+
+/// The header that carries the outbox row's id (also [`Message::id`](crate::Message::id)).
+pub const EVENT_ID_HEADER: &str = "event_id";
+/// The header that carries the row's `type`, when it is not empty.
+pub const EVENT_TYPE_HEADER: &str = "event_type";
+/// The longest destination (`aggregatetype`), in characters.
+pub const MAX_DESTINATION_CHARS: usize = 128;
+/// The longest key (`aggregateid`), in characters.
+pub const MAX_KEY_CHARS: usize = 512;
+
+/// A failure of the outbox or its relay.
+#[derive(Debug, thiserror::Error)]
+pub enum OutboxError {
+    /// The database failed.
+    #[error("outbox database: {0}")]
+    Database(#[from] sqlx::Error),
+    /// A bad table prefix or option.
+    #[error("outbox configuration: {0}")]
+    Config(String),
+    /// An event that cannot be stored (empty or over-long destination or
+    /// key, unusable id).
+    #[error("invalid outbox event: {0}")]
+    Invalid(String),
+    /// The broker did not confirm what was published (a failed flush).
+    #[error("outbox publish: {0}")]
+    Publish(String),
+}
+
+impl From<ConfigError> for OutboxError {
+    fn from(err: ConfigError) -> Self {
+        OutboxError::Config(err.to_string())
+    }
+}
+
+impl OutboxError {
+    /// Whether retrying may help (lost connection, deadlock, busy database).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            OutboxError::Database(e) => crate::store::sql::is_transient(e),
+            OutboxError::Publish(_) => true,
+            OutboxError::Config(_) | OutboxError::Invalid(_) => false,
+        }
+    }
+}
+
+/// A database the outbox runs on: PostgreSQL, MySQL/MariaDB and SQLite, as
+/// far as their cargo features are on. Sealed.
+pub trait OutboxDatabase: Ops {}
+
+#[cfg(feature = "postgres")]
+impl OutboxDatabase for sqlx::Postgres {}
+#[cfg(feature = "mysql")]
+impl OutboxDatabase for sqlx::MySql {}
+#[cfg(feature = "sqlite")]
+impl OutboxDatabase for sqlx::Sqlite {}
+
+/// One event to write: [`Outbox::enqueue`] takes its parts, [`Outbox::enqueue_event`] all of it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OutboxEvent {
+    /// The event id; `None` makes a new UUID. Must be unique in the table.
+    pub id: Option<String>,
+    /// The destination (`aggregatetype`): which publisher of the relay takes it.
+    pub destination: String,
+    /// The key (`aggregateid`): the broker's message key and the unit of order.
+    pub key: String,
+    /// The event type (`type`), sent as header `event_type` if not empty.
+    pub event_type: String,
+    /// Headers, sent with the message.
+    pub headers: Headers,
+    /// The payload.
+    pub payload: Vec<u8>,
+}
+
+impl OutboxEvent {
+    /// An event for `destination` with `key` and `payload`.
+    pub fn new(
+        destination: impl Into<String>,
+        key: impl Into<String>,
+        payload: impl Into<Vec<u8>>,
+    ) -> Self {
+        Self {
+            destination: destination.into(),
+            key: key.into(),
+            payload: payload.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Sets the event id (default: a new UUID).
+    pub fn with_id(mut self, id: impl Into<String>) -> Self {
+        self.id = Some(id.into());
+        self
+    }
+
+    /// Sets the event type.
+    pub fn with_type(mut self, event_type: impl Into<String>) -> Self {
+        self.event_type = event_type.into();
+        self
+    }
+
+    /// Adds a header.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
+        self.headers.insert(name, value);
+        self
+    }
+
+    fn validate(&self) -> Result<(), OutboxError> {
+        let checks = [
+            ("destination", &self.destination, MAX_DESTINATION_CHARS),
+            ("key", &self.key, MAX_KEY_CHARS),
+        ];
+        for (what, value, max) in checks {
+            if value.is_empty() {
+                return Err(OutboxError::Invalid(format!("the {what} is empty")));
+            }
+            if value.chars().count() > max {
+                return Err(OutboxError::Invalid(format!(
+                    "the {what} is longer than {max} characters"
+                )));
+            }
+        }
+        if let Some(id) = &self.id {
+            if id.is_empty() || id.chars().count() > 255 {
+                return Err(OutboxError::Invalid(
+                    "the id must be 1 to 255 characters".into(),
+                ));
+            }
+        }
+        if self.event_type.chars().count() > 255 {
+            return Err(OutboxError::Invalid(
+                "the event type is longer than 255 characters".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The outbox table of one database and table prefix: creates it and
+/// writes events into it inside the caller's transaction.
+///
+/// ```no_run
+/// use idemq::outbox::Outbox;
+/// use idemq::Headers;
+///
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/test").await?;
+/// let outbox = Outbox::<sqlx::Postgres>::new("idemq_")?;
+/// outbox.migrate(&pool).await?;
+///
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("UPDATE orders SET status = 'paid' WHERE id = $1")
+///     .bind("o-1")
+///     .execute(&mut *tx)
+///     .await?;
+/// let event_id = outbox
+///     .enqueue(&mut tx, "payments", "o-1", &Headers::new(), br#"{"order_id":"o-1","amount":120}"#)
+///     .await?;
+/// tx.commit().await?; // the event exists exactly when the update does
+/// println!("enqueued {event_id}");
+/// # Ok(()) }
+/// ```
+pub struct Outbox<DB: OutboxDatabase> {
+    tables: Tables,
+    statements: Statements,
+    _db: PhantomData<fn() -> DB>,
+}
+
+impl<DB: OutboxDatabase> Clone for Outbox<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            tables: self.tables.clone(),
+            statements: self.statements.clone(),
+            _db: PhantomData,
+        }
+    }
+}
+
+impl<DB: OutboxDatabase> std::fmt::Debug for Outbox<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox")
+            .field("table", &self.statements.table)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: OutboxDatabase> Outbox<DB> {
+    /// The outbox table `{prefix}outbox`; the prefix is validated as for the
+    /// inbox tables (letters, digits, `_`; at most 40 bytes).
+    pub fn new(table_prefix: &str) -> Result<Self, OutboxError> {
+        let tables = Tables::new(table_prefix)?;
+        let statements = Statements::new(DB::DIALECT, &format!("{}outbox", tables.prefix));
+        Ok(Self {
+            tables,
+            statements,
+            _db: PhantomData,
+        })
+    }
+
+    /// The table name.
+    pub fn table(&self) -> &str {
+        &self.statements.table
+    }
+
+    pub(crate) fn statements(&self) -> &Statements {
+        &self.statements
+    }
+
+    /// Creates the outbox table (and on PostgreSQL the trigger that
+    /// notifies relays) if it does not exist, recording version
+    /// [`OUTBOX_SCHEMA_VERSION`] in `{prefix}schema_migrations`. Safe to run
+    /// concurrently and repeatedly; independent of the inbox's migrations.
+    pub async fn migrate(&self, pool: &sqlx::Pool<DB>) -> Result<(), OutboxError> {
+        let q = Queries::new(DB::DIALECT, &self.tables);
+        let mut tx = pool.begin().await?;
+        if let Some(lock) = &q.migrate_lock {
+            DB::execute(&mut *tx, lock, &[]).await?;
+        }
+        let outcome: Result<(), sqlx::Error> = async {
+            DB::execute(&mut *tx, &q.create_migrations_table, &[]).await?;
+            let applied = DB::fetch_ints(&mut *tx, &q.applied_versions, &[]).await?;
+            if !applied.contains(&OUTBOX_SCHEMA_VERSION) {
+                for step in &self.statements.create {
+                    DB::execute(&mut *tx, step, &[]).await?;
+                }
+                let binds = [
+                    Bind::Int(OUTBOX_SCHEMA_VERSION),
+                    Bind::Int(crate::store::now_ms()),
+                ];
+                DB::execute(&mut *tx, &q.record_version, &binds).await?;
+                tracing::info!(table = %self.statements.table, "created the outbox table");
+            }
+            Ok(())
+        }
+        .await;
+        if let Some(unlock) = &q.migrate_unlock {
+            DB::execute(&mut *tx, unlock, &[]).await?;
+        }
+        match outcome {
+            Ok(()) => Ok(tx.commit().await?),
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Writes one event for `destination` with `key` (the aggregate id),
+    /// `headers` and `payload` through `conn` — pass the business
+    /// transaction (`&mut tx`), so that the event commits or rolls back with
+    /// it. Returns the event id (a new UUID), which the relay sends as the
+    /// message id and the `event_id` header.
+    pub async fn enqueue(
+        &self,
+        conn: &mut DB::Connection,
+        destination: &str,
+        key: &str,
+        headers: &Headers,
+        payload: &[u8],
+    ) -> Result<String, OutboxError> {
+        let event = OutboxEvent {
+            id: None,
+            destination: destination.to_owned(),
+            key: key.to_owned(),
+            event_type: String::new(),
+            headers: headers.clone(),
+            payload: payload.to_vec(),
+        };
+        self.enqueue_event(conn, &event).await
+    }
+
+    /// [`enqueue`](Self::enqueue) with every field of [`OutboxEvent`]
+    /// (a chosen id, an event type).
+    pub async fn enqueue_event(
+        &self,
+        conn: &mut DB::Connection,
+        event: &OutboxEvent,
+    ) -> Result<String, OutboxError> {
+        event.validate()?;
+        let id = event
+            .id
+            .clone()
+            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let headers = (!event.headers.is_empty()).then(|| event.headers.to_json().to_string());
+        let binds = [
+            Bind::Text(&id),
+            Bind::Text(&event.destination),
+            Bind::Text(&event.key),
+            Bind::Text(&event.event_type),
+            Bind::Bytes(&event.payload),
+            Bind::OptText(headers.as_deref()),
+            Bind::Int(crate::store::now_ms()),
+        ];
+        DB::execute(conn, &self.statements.insert, &binds).await?;
+        metrics::counter!("idemq_outbox_enqueued_total", "destination" => event.destination.clone())
+            .increment(1);
+        tracing::debug!(table = %self.statements.table, %id, destination = %event.destination, key = %event.key, "enqueued an outbox event");
+        Ok(id)
+    }
+
+    /// How many rows wait in the outbox (unpublished, or published and not
+    /// yet deleted).
+    pub async fn pending(&self, pool: &sqlx::Pool<DB>) -> Result<u64, OutboxError> {
+        let mut conn = pool.acquire().await?;
+        let n = DB::fetch_ints(&mut *conn, &self.statements.count, &[]).await?;
+        Ok(n.first().map_or(0, |n| u64::try_from(*n).unwrap_or(0)))
+    }
+}

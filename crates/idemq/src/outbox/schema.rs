@@ -1,0 +1,235 @@
+//! The outbox table and every statement on it, per dialect.
+//!
+//! Statements are written with `?` placeholders; PostgreSQL's are renumbered
+//! to `$1, $2, …`. Statements whose shape depends on a count (IN lists) are
+//! rendered per call.
+
+use crate::store::sql::Dialect;
+
+/// The schema version the outbox records in `{prefix}schema_migrations`
+/// (outside the inbox's own range, so the two never collide).
+pub const OUTBOX_SCHEMA_VERSION: i64 = 1001;
+
+/// The columns the relay reads, in select order.
+pub(crate) const ROW_COLUMNS: &str =
+    "seq, id, aggregatetype, aggregateid, type, headers, payload, attempts";
+
+/// The rendered statements of one outbox table.
+#[derive(Debug, Clone)]
+pub(crate) struct Statements {
+    pub dialect: Dialect,
+    pub table: String,
+    /// Binds: id, aggregatetype, aggregateid, type, payload, headers, created_at.
+    pub insert: String,
+    /// Binds: available_at, last_error, seq.
+    pub fail: String,
+    /// Returns the row count.
+    pub count: String,
+    /// Creates the table, its index and (PostgreSQL) the NOTIFY trigger.
+    pub create: Vec<String>,
+}
+
+impl Statements {
+    pub fn new(dialect: Dialect, table: &str) -> Self {
+        let insert = format!(
+            "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload, headers, created_at) \
+             VALUES (?, ?, ?, ?, ?, ?, ?)"
+        );
+        let fail = format!(
+            "UPDATE {table} SET attempts = attempts + 1, available_at = ?, last_error = ? WHERE seq = ?"
+        );
+        Self {
+            dialect,
+            table: table.to_owned(),
+            insert: finish(dialect, insert),
+            fail: finish(dialect, fail),
+            count: format!("SELECT COUNT(*) FROM {table}"),
+            create: create(dialect, table),
+        }
+    }
+
+    /// A text column as the relay reads it: MySQL reports binary-collated
+    /// columns as bytes, so they are converted back to text there.
+    fn text(&self, column: &str) -> String {
+        match self.dialect {
+            Dialect::MySql => format!("CONVERT({column} USING utf8mb4)"),
+            _ => column.to_owned(),
+        }
+    }
+
+    /// The oldest row of every (destination, key) whose retry time has come,
+    /// oldest first: the candidates for the key locks. A plain read.
+    /// Binds: the `destinations` names, now, limit. Returns seq.
+    pub fn heads(&self, destinations: usize) -> String {
+        let table = &self.table;
+        let filter = if destinations == 0 {
+            String::new()
+        } else {
+            format!("WHERE aggregatetype IN ({}) ", list(destinations))
+        };
+        finish(
+            self.dialect,
+            format!(
+                "SELECT o.seq FROM {table} o JOIN (SELECT MIN(seq) AS seq FROM {table} {filter}\
+                 GROUP BY aggregatetype, aggregateid) h ON o.seq = h.seq \
+                 WHERE o.available_at <= ? ORDER BY o.seq LIMIT ?"
+            ),
+        )
+    }
+
+    /// Locks the head rows that are still there and not locked by another
+    /// relay (PostgreSQL, MariaDB: `FOR UPDATE SKIP LOCKED`; SQLite holds the
+    /// database's write lock already). Binds: `n` seqs, now. Returns seq,
+    /// aggregatetype, aggregateid.
+    pub fn lock(&self, n: usize) -> String {
+        let table = &self.table;
+        let skip = match self.dialect {
+            Dialect::Sqlite => "",
+            _ => " FOR UPDATE SKIP LOCKED",
+        };
+        finish(
+            self.dialect,
+            format!(
+                "SELECT seq, {}, {} FROM {table} WHERE seq IN ({}) AND available_at <= ? ORDER BY seq{skip}",
+                self.text("aggregatetype"),
+                self.text("aggregateid"),
+                list(n)
+            ),
+        )
+    }
+
+    /// The rows of `n` locked (destination, key) pairs, oldest first.
+    /// Binds: per pair destination, key; then limit. Returns [`ROW_COLUMNS`].
+    pub fn rows(&self, n: usize) -> String {
+        let table = &self.table;
+        let pairs = vec!["(aggregatetype = ? AND aggregateid = ?)"; n].join(" OR ");
+        let columns = ROW_COLUMNS
+            .split(", ")
+            .map(|c| match c {
+                "aggregatetype" | "aggregateid" => self.text(c),
+                other => other.to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        finish(
+            self.dialect,
+            format!("SELECT {columns} FROM {table} WHERE {pairs} ORDER BY seq LIMIT ?"),
+        )
+    }
+
+    /// Deletes `n` rows by seq. Binds: the seqs.
+    pub fn delete(&self, n: usize) -> String {
+        finish(
+            self.dialect,
+            format!("DELETE FROM {} WHERE seq IN ({})", self.table, list(n)),
+        )
+    }
+
+    /// The NOTIFY channel of PostgreSQL relays: the table name.
+    pub fn channel(&self) -> &str {
+        &self.table
+    }
+}
+
+fn list(n: usize) -> String {
+    vec!["?"; n].join(", ")
+}
+
+/// Numbers the placeholders for PostgreSQL.
+fn finish(dialect: Dialect, sql: String) -> String {
+    if dialect != Dialect::Postgres {
+        return sql;
+    }
+    let mut out = String::with_capacity(sql.len() + 16);
+    let mut n = 0;
+    for c in sql.chars() {
+        if c == '?' {
+            n += 1;
+            out.push('$');
+            out.push_str(&n.to_string());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The table in the Debezium outbox event router's layout (`id`,
+/// `aggregatetype`, `aggregateid`, `type`, `payload`) plus the relay's own
+/// columns; see the module docs.
+fn create(dialect: Dialect, table: &str) -> Vec<String> {
+    match dialect {
+        Dialect::Postgres => vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {table} (seq BIGSERIAL PRIMARY KEY, \
+                 id VARCHAR(255) NOT NULL UNIQUE, aggregatetype VARCHAR(128) NOT NULL, \
+                 aggregateid VARCHAR(512) NOT NULL, type VARCHAR(255) NOT NULL DEFAULT '', \
+                 payload BYTEA NOT NULL, headers TEXT NULL, created_at BIGINT NOT NULL DEFAULT 0, \
+                 attempts BIGINT NOT NULL DEFAULT 0, available_at BIGINT NOT NULL DEFAULT 0, \
+                 last_error TEXT NULL)"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {table}_key ON {table} (aggregatetype, aggregateid, seq)"
+            ),
+            // Wake the relays at the commit of any insert, whoever wrote it.
+            format!(
+                "CREATE OR REPLACE FUNCTION {table}_notify() RETURNS trigger LANGUAGE plpgsql AS \
+                 $body$ BEGIN PERFORM pg_notify('{table}', ''); RETURN NULL; END $body$"
+            ),
+            format!("DROP TRIGGER IF EXISTS {table}_notify ON {table}"),
+            format!(
+                "CREATE TRIGGER {table}_notify AFTER INSERT ON {table} \
+                 FOR EACH STATEMENT EXECUTE FUNCTION {table}_notify()"
+            ),
+        ],
+        Dialect::MySql => vec![format!(
+            "CREATE TABLE IF NOT EXISTS {table} (seq BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, \
+             id VARCHAR(255) NOT NULL, \
+             aggregatetype VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, \
+             aggregateid VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, \
+             type VARCHAR(255) NOT NULL DEFAULT '', payload LONGBLOB NOT NULL, headers TEXT NULL, \
+             created_at BIGINT NOT NULL DEFAULT 0, attempts BIGINT NOT NULL DEFAULT 0, \
+             available_at BIGINT NOT NULL DEFAULT 0, last_error TEXT NULL, \
+             UNIQUE KEY {table}_id (id), INDEX {table}_key (aggregatetype, aggregateid, seq)) \
+             ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+        )],
+        Dialect::Sqlite => vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {table} (seq INTEGER PRIMARY KEY AUTOINCREMENT, \
+                 id TEXT NOT NULL UNIQUE, aggregatetype TEXT NOT NULL, aggregateid TEXT NOT NULL, \
+                 type TEXT NOT NULL DEFAULT '', payload BLOB NOT NULL, headers TEXT NULL, \
+                 created_at INTEGER NOT NULL DEFAULT 0, attempts INTEGER NOT NULL DEFAULT 0, \
+                 available_at INTEGER NOT NULL DEFAULT 0, last_error TEXT NULL)"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {table}_key ON {table} (aggregatetype, aggregateid, seq)"
+            ),
+        ],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn postgres_statements_are_numbered() {
+        let s = Statements::new(Dialect::Postgres, "x_outbox");
+        assert!(
+            s.insert.contains("($1, $2, $3, $4, $5, $6, $7)"),
+            "{}",
+            s.insert
+        );
+        assert!(s.heads(2).contains("IN ($1, $2)"));
+        assert!(s.heads(2).ends_with("<= $3 ORDER BY o.seq LIMIT $4"));
+        assert!(s.lock(2).ends_with("FOR UPDATE SKIP LOCKED"));
+        assert!(s
+            .rows(2)
+            .ends_with("aggregateid = $4) ORDER BY seq LIMIT $5"));
+        let m = Statements::new(Dialect::MySql, "x_outbox");
+        assert!(m.lock(1).contains("CONVERT(aggregateid USING utf8mb4)"));
+        let l = Statements::new(Dialect::Sqlite, "x_outbox");
+        assert!(!l.lock(1).contains("FOR UPDATE"));
+        assert!(!l.heads(0).contains("WHERE aggregatetype"));
+    }
+}

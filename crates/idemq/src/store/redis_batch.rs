@@ -1,0 +1,659 @@
+//! Batch claims of the Redis lease store ([`LeaseBatchStore`]): the same
+//! lease protocol as the per-key scripts, a whole batch per round trip.
+//!
+//! - **claim**: one Lua script over every key of the batch does, per key,
+//!   what the per-key claim script does (a `done` record answers
+//!   [`Claim::Done`], a live `in-flight:` record [`Claim::InFlight`],
+//!   otherwise `SET rec in-flight:<token> PX <lease>`, `HINCRBY` of the
+//!   key's fencing counter, first-seen time). Every key gets its own token
+//!   (`<batch uuid>.<n>`) and its own fencing number.
+//! - **heartbeat**: one task per batch, every `lease / 3`, extends every
+//!   lease the batch still holds in one script (compare-on-token
+//!   `PEXPIRE`); a lease found taken over is marked lost
+//!   ([`RedisLease::lease_lost`]), and if Redis cannot be reached for a whole
+//!   lease, all of them are.
+//! - **complete**: one script completes the processed keys (compare-and-set
+//!   from this token's in-flight record to the `done:` record with the
+//!   retention TTL, clearing failed attempts and the first-seen time),
+//!   releases the failed ones (compare-and-delete), and updates the
+//!   consumer's indexes (done index, failing set, consumer set) in the same
+//!   round trip.
+//! - A batch dropped while it holds leases (its task was aborted) releases
+//!   them at once, in one script, like a rollback.
+//!
+//! On a single Redis (or a Sentinel-managed primary) those scripts span the
+//! keys of many hash slots, which a single node allows. A Redis Cluster
+//! cannot run a script across slots: there every key's own script is sent
+//! at once on the multiplexed connections (still no round trip waits for
+//! another), and the consumer's index is updated in a pipeline after them.
+
+use std::future::Future as _;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use futures_util::future::join_all;
+use redis::{RedisError, Script};
+
+use super::{done_value, map_err, millis, Conn, RedisConnection, RedisLease, RedisStore, Scripts};
+use crate::store::{now_ms, Claim, LeaseBatchStore, LeaseCompletion, StoreError};
+
+/// KEYS: rec, fence per key. ARGV: token prefix, lease ms, now ms, fence TTL ms.
+const BATCH_CLAIM: &str = r#"
+local out = {}
+for i = 1, #KEYS / 2 do
+  local rec, fence = KEYS[2 * i - 1], KEYS[2 * i]
+  local v = redis.call('GET', rec)
+  if v then
+    if string.sub(v, 1, 5) == 'done:' then
+      out[i] = {'done', string.sub(v, 6)}
+    else
+      out[i] = {'busy'}
+    end
+  else
+    redis.call('SET', rec, 'in-flight:' .. ARGV[1] .. i, 'PX', ARGV[2])
+    local n = redis.call('HINCRBY', fence, 'n', 1)
+    local fs = redis.call('HGET', fence, 'first_seen')
+    if not fs then
+      fs = ARGV[3]
+      redis.call('HSET', fence, 'first_seen', fs)
+    end
+    redis.call('PEXPIRE', fence, ARGV[4])
+    out[i] = {'new', tostring(n), fs}
+  end
+end
+return out
+"#;
+
+/// KEYS: rec per key. ARGV: lease ms, then the token per key.
+const BATCH_EXTEND: &str = r#"
+local out = {}
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == 'in-flight:' .. ARGV[i + 1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[1])
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"#;
+
+/// KEYS: rec per key. ARGV: the token per key.
+const BATCH_RELEASE: &str = r#"
+local n = 0
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == 'in-flight:' .. ARGV[i] then
+    redis.call('DEL', KEYS[i])
+    n = n + 1
+  end
+end
+return n
+"#;
+
+/// KEYS: done index, failing set, consumer set; rec, fence, att per
+/// completion; rec per release. ARGV: retention ms, horizon ms, consumer,
+/// completions; token, done value, first seen, key per completion; token per
+/// release.
+const BATCH_COMPLETE: &str = r#"
+local n = tonumber(ARGV[4])
+local out = {}
+local done = 0
+for i = 1, n do
+  local k = 3 + 3 * (i - 1)
+  local a = 4 + 4 * (i - 1)
+  if redis.call('GET', KEYS[k + 1]) == 'in-flight:' .. ARGV[a + 1] then
+    redis.call('SET', KEYS[k + 1], ARGV[a + 2], 'PX', ARGV[1])
+    redis.call('HDEL', KEYS[k + 2], 'first_seen')
+    if redis.call('DEL', KEYS[k + 3]) == 1 then
+      redis.call('SREM', KEYS[2], ARGV[a + 4])
+    end
+    redis.call('ZADD', KEYS[1], ARGV[a + 3], ARGV[a + 4])
+    out[i] = 1
+    done = done + 1
+  else
+    out[i] = 0
+  end
+end
+local rk = 3 + 3 * n
+local ra = 4 + 4 * n
+for j = 1, #KEYS - rk do
+  if redis.call('GET', KEYS[rk + j]) == 'in-flight:' .. ARGV[ra + j] then
+    redis.call('DEL', KEYS[rk + j])
+  end
+end
+if done > 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[2])
+  redis.call('SADD', KEYS[3], ARGV[3])
+end
+return out
+"#;
+
+struct BatchScripts {
+    claim: Script,
+    extend: Script,
+    release: Script,
+    complete: Script,
+}
+
+fn batch_scripts() -> &'static BatchScripts {
+    static SCRIPTS: OnceLock<BatchScripts> = OnceLock::new();
+    SCRIPTS.get_or_init(|| BatchScripts {
+        claim: Script::new(BATCH_CLAIM),
+        extend: Script::new(BATCH_EXTEND),
+        release: Script::new(BATCH_RELEASE),
+        complete: Script::new(BATCH_COMPLETE),
+    })
+}
+
+/// One lease a batch holds: its record key, token and lost flag.
+#[derive(Debug, Clone)]
+struct Held {
+    rec: String,
+    token: String,
+    lost: Arc<AtomicBool>,
+}
+
+/// The leases held by one batch of the Redis store (see the module docs):
+/// one heartbeat task for all of them; dropped while still holding leases
+/// (the batch was cancelled), it releases them at once.
+pub struct RedisLeaseGroup {
+    conn: RedisConnection,
+    scripts: Arc<Scripts>,
+    lease: Duration,
+    held: Arc<Mutex<Vec<Held>>>,
+    heartbeat: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for RedisLeaseGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisLeaseGroup")
+            .field("lease", &self.lease)
+            .field("held", &lock(&self.held).len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock(held: &Mutex<Vec<Held>>) -> MutexGuard<'_, Vec<Held>> {
+    held.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn is_single(conn: &RedisConnection) -> bool {
+    matches!(conn.0, Conn::Single(_))
+}
+
+/// Extends every lease in `held` once; returns per lease whether it still held.
+async fn extend(
+    conn: &mut RedisConnection,
+    scripts: &Scripts,
+    held: &[Held],
+    lease_ms: u64,
+) -> Result<Vec<bool>, RedisError> {
+    if is_single(conn) {
+        let mut invocation = batch_scripts().extend.prepare_invoke();
+        invocation.arg(lease_ms);
+        for h in held {
+            invocation.key(&h.rec).arg(&h.token);
+        }
+        let flags: Vec<i64> = invocation.invoke_async(conn).await?;
+        return Ok(flags.into_iter().map(|f| f == 1).collect());
+    }
+    let calls = held.iter().map(|h| {
+        let mut conn = conn.clone();
+        async move {
+            let r: Result<i64, RedisError> = scripts
+                .extend
+                .key(&h.rec)
+                .arg(&h.token)
+                .arg(lease_ms)
+                .invoke_async(&mut conn)
+                .await;
+            r
+        }
+    });
+    join_all(calls)
+        .await
+        .into_iter()
+        .map(|r| r.map(|f| f == 1))
+        .collect()
+}
+
+/// Compare-and-deletes every lease in `held`.
+async fn release(
+    conn: &mut RedisConnection,
+    scripts: &Scripts,
+    held: &[Held],
+) -> Result<(), RedisError> {
+    if held.is_empty() {
+        return Ok(());
+    }
+    if is_single(conn) {
+        let mut invocation = batch_scripts().release.prepare_invoke();
+        for h in held {
+            invocation.key(&h.rec).arg(&h.token);
+        }
+        let _: i64 = invocation.invoke_async(conn).await?;
+        return Ok(());
+    }
+    let calls = held.iter().map(|h| {
+        let mut conn = conn.clone();
+        async move {
+            let r: Result<i64, RedisError> = scripts
+                .release
+                .key(&h.rec)
+                .arg(&h.token)
+                .invoke_async(&mut conn)
+                .await;
+            r
+        }
+    });
+    for r in join_all(calls).await {
+        r?;
+    }
+    Ok(())
+}
+
+/// Compare-and-deletes every lease in `held` with `EVAL` (not `EVALSHA`):
+/// the release of a dropped batch is queued on the connection at once, even
+/// if Redis has not cached the script, before anything sent after the drop.
+async fn release_now(conn: &mut RedisConnection, held: &[Held]) -> Result<(), RedisError> {
+    if is_single(conn) {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(BATCH_RELEASE).arg(held.len());
+        for h in held {
+            cmd.arg(&h.rec);
+        }
+        for h in held {
+            cmd.arg(&h.token);
+        }
+        let _: i64 = cmd.query_async(conn).await?;
+        return Ok(());
+    }
+    let calls = held.iter().map(|h| {
+        let mut conn = conn.clone();
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(super::RELEASE).arg(1).arg(&h.rec).arg(&h.token);
+        async move {
+            let r: Result<i64, RedisError> = cmd.query_async(&mut conn).await;
+            r
+        }
+    });
+    for r in join_all(calls).await {
+        r?;
+    }
+    Ok(())
+}
+
+impl RedisLeaseGroup {
+    fn start_heartbeat(&mut self) {
+        if self.heartbeat.is_some() {
+            return;
+        }
+        let mut conn = self.conn.clone();
+        let scripts = Arc::clone(&self.scripts);
+        let held = Arc::clone(&self.held);
+        let lease = self.lease;
+        let every = (lease / 3).max(Duration::from_millis(1));
+        let lease_ms = millis(lease);
+        self.heartbeat = Some(tokio::spawn(async move {
+            let mut last_ok = Instant::now();
+            loop {
+                tokio::time::sleep(every).await;
+                let snapshot: Vec<Held> = lock(&held).clone();
+                if snapshot.is_empty() {
+                    continue;
+                }
+                match extend(&mut conn, &scripts, &snapshot, lease_ms).await {
+                    Ok(flags) => {
+                        last_ok = Instant::now();
+                        let lost: Vec<&Held> = snapshot
+                            .iter()
+                            .zip(flags.iter().chain(std::iter::repeat(&false)))
+                            .filter(|(_, ok)| !**ok)
+                            .map(|(h, _)| h)
+                            .collect();
+                        if lost.is_empty() {
+                            continue;
+                        }
+                        for h in &lost {
+                            tracing::warn!(key = %h.rec, "lease lost: the key is held by another token");
+                            h.lost.store(true, Ordering::SeqCst);
+                        }
+                        // Stop extending them.
+                        lock(&held).retain(|h| !h.lost.load(Ordering::SeqCst));
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, leases = snapshot.len(), "batch lease heartbeat failed");
+                        if last_ok.elapsed() >= lease {
+                            for h in &snapshot {
+                                h.lost.store(true, Ordering::SeqCst);
+                            }
+                            return;
+                        }
+                    }
+                }
+            }
+        }));
+    }
+
+    /// Stops the heartbeat and hands over the leases still held (so that
+    /// dropping the group releases nothing).
+    fn disarm(&mut self) -> Vec<Held> {
+        if let Some(h) = self.heartbeat.take() {
+            h.abort();
+        }
+        std::mem::take(&mut *lock(&self.held))
+    }
+}
+
+impl Drop for RedisLeaseGroup {
+    /// A batch dropped while it holds leases (its task was aborted, the
+    /// process is shutting down) releases them at once by compare-and-delete.
+    /// The release is polled once right here, so it is queued on the
+    /// connection before anything sent after the drop; a spawned task
+    /// finishes it. Without a runtime the leases expire by themselves.
+    fn drop(&mut self) {
+        let held = self.disarm();
+        if held.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut conn = self.conn.clone();
+        let mut fut = Box::pin(async move {
+            if let Err(e) = release_now(&mut conn, &held).await {
+                tracing::warn!(leases = held.len(), error = %e, "releasing a dropped batch's leases failed; they will expire");
+            }
+        });
+        let waker = futures_util::task::noop_waker();
+        let mut cx = std::task::Context::from_waker(&waker);
+        if fut.as_mut().poll(&mut cx).is_pending() {
+            runtime.spawn(fut);
+        }
+    }
+}
+
+/// A `new` answer: the fencing number and the first-seen time.
+fn new_lease(reply: &[String]) -> (u64, i64) {
+    let fencing = reply.get(1).and_then(|n| n.parse().ok()).unwrap_or(0);
+    let first_seen = reply
+        .get(2)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(now_ms);
+    (fencing, first_seen)
+}
+
+#[async_trait]
+impl LeaseBatchStore for RedisStore {
+    type Leases = RedisLeaseGroup;
+
+    fn lease_group(&self, lease: Duration) -> RedisLeaseGroup {
+        RedisLeaseGroup {
+            conn: self.conn(),
+            scripts: Arc::clone(&self.scripts),
+            lease,
+            held: Arc::default(),
+            heartbeat: None,
+        }
+    }
+
+    async fn claim_leases(
+        &self,
+        group: &mut RedisLeaseGroup,
+        consumer: &str,
+        claims: &[(&str, &str)],
+    ) -> Result<Vec<Claim<RedisLease>>, StoreError> {
+        if claims.is_empty() {
+            return Ok(Vec::new());
+        }
+        let prefix = format!("{}.", uuid::Uuid::new_v4().simple());
+        let lease_ms = millis(group.lease);
+        let fence_ttl = millis(self.options.retention + group.lease);
+        let now = now_ms();
+        let recs: Vec<String> = claims
+            .iter()
+            .map(|(key, _)| self.keys.scoped(consumer, key, "rec"))
+            .collect();
+        let replies: Vec<Vec<String>> = if is_single(&self.conn) {
+            let mut invocation = batch_scripts().claim.prepare_invoke();
+            invocation
+                .arg(&prefix)
+                .arg(lease_ms)
+                .arg(now)
+                .arg(fence_ttl);
+            for ((key, _), rec) in claims.iter().zip(&recs) {
+                invocation
+                    .key(rec)
+                    .key(self.keys.scoped(consumer, key, "fence"));
+            }
+            invocation
+                .invoke_async(&mut self.conn())
+                .await
+                .map_err(map_err)?
+        } else {
+            let calls = claims
+                .iter()
+                .zip(&recs)
+                .enumerate()
+                .map(|(i, ((key, _), rec))| {
+                    let mut conn = self.conn();
+                    let token = format!("{prefix}{}", i + 1);
+                    let fence = self.keys.scoped(consumer, key, "fence");
+                    async move {
+                        let r: Result<Vec<String>, RedisError> = self
+                            .scripts
+                            .claim
+                            .key(rec)
+                            .key(fence)
+                            .arg(token)
+                            .arg(lease_ms)
+                            .arg(now)
+                            .arg(fence_ttl)
+                            .invoke_async(&mut conn)
+                            .await;
+                        r
+                    }
+                });
+            join_all(calls)
+                .await
+                .into_iter()
+                .collect::<Result<_, _>>()
+                .map_err(map_err)?
+        };
+        if replies.len() != claims.len() {
+            return Err(StoreError::Other(format!(
+                "batch claim answered {} of {} keys",
+                replies.len(),
+                claims.len()
+            )));
+        }
+        let mut answers = Vec::with_capacity(claims.len());
+        let mut held = Vec::new();
+        for (i, (((key, _), rec), reply)) in claims.iter().zip(recs).zip(replies).enumerate() {
+            let answer = match reply.first().map(String::as_str) {
+                Some("done") => {
+                    let json = reply.get(1).map(String::as_str).unwrap_or_default();
+                    Claim::Done(super::parse_done(consumer, key, json).ok_or_else(|| {
+                        StoreError::Other(format!("unreadable done record: {json}"))
+                    })?)
+                }
+                Some("busy") => Claim::InFlight,
+                Some("new") => {
+                    let (fencing, first_seen_ms) = new_lease(&reply);
+                    let token = format!("{prefix}{}", i + 1);
+                    let lost = Arc::new(AtomicBool::new(false));
+                    held.push(Held {
+                        rec,
+                        token: token.clone(),
+                        lost: Arc::clone(&lost),
+                    });
+                    Claim::New(RedisLease {
+                        consumer: consumer.to_owned(),
+                        key: (*key).to_owned(),
+                        token,
+                        fencing,
+                        first_seen_ms,
+                        lost,
+                        heartbeat: None,
+                        release_on_drop: None,
+                    })
+                }
+                _ => {
+                    return Err(StoreError::Other(format!(
+                        "unexpected batch claim reply {reply:?}"
+                    )))
+                }
+            };
+            answers.push(answer);
+        }
+        if !held.is_empty() {
+            lock(&group.held).extend(held);
+            group.start_heartbeat();
+        }
+        Ok(answers)
+    }
+
+    async fn complete_leases(
+        &self,
+        mut group: RedisLeaseGroup,
+        done: Vec<LeaseCompletion<'_, RedisLease>>,
+        failed: Vec<RedisLease>,
+    ) -> Result<Vec<bool>, StoreError> {
+        group.disarm();
+        drop(group);
+        if done.is_empty() && failed.is_empty() {
+            return Ok(Vec::new());
+        }
+        let retention = millis(self.options.retention);
+        let consumer = done
+            .first()
+            .map(|d| d.lease.consumer.as_str())
+            .or_else(|| failed.first().map(|l| l.consumer.as_str()))
+            .unwrap_or_default();
+        let mut flags: Vec<bool> = if is_single(&self.conn) {
+            let mut invocation = batch_scripts().complete.prepare_invoke();
+            invocation
+                .key(self.keys.consumer(consumer, "done"))
+                .key(self.keys.consumer(consumer, "failing"))
+                .key(self.keys.consumers())
+                .arg(retention)
+                .arg(self.retention_horizon())
+                .arg(consumer)
+                .arg(done.len());
+            for d in &done {
+                let (c, k) = (d.lease.consumer.as_str(), d.lease.key.as_str());
+                invocation
+                    .key(self.keys.scoped(c, k, "rec"))
+                    .key(self.keys.scoped(c, k, "fence"))
+                    .key(self.keys.scoped(c, k, "att"))
+                    .arg(&d.lease.token)
+                    .arg(done_value(d.fingerprint, d.result, d.lease.first_seen_ms))
+                    .arg(d.lease.first_seen_ms)
+                    .arg(k);
+            }
+            for l in &failed {
+                invocation
+                    .key(self.keys.scoped(&l.consumer, &l.key, "rec"))
+                    .arg(&l.token);
+            }
+            let flags: Vec<i64> = invocation
+                .invoke_async(&mut self.conn())
+                .await
+                .map_err(map_err)?;
+            flags.into_iter().map(|f| f == 1).collect()
+        } else {
+            self.complete_per_key(&done, &failed, retention).await?
+        };
+        flags.resize(done.len(), false);
+        for (d, ok) in done.iter().zip(&flags) {
+            if !ok {
+                d.lease.lost.store(true, Ordering::SeqCst);
+            }
+        }
+        Ok(flags)
+    }
+}
+
+impl RedisStore {
+    /// Redis Cluster: every key's own complete and release scripts at once,
+    /// then the consumer's index in one pipeline.
+    async fn complete_per_key(
+        &self,
+        done: &[LeaseCompletion<'_, RedisLease>],
+        failed: &[RedisLease],
+        retention: u64,
+    ) -> Result<Vec<bool>, StoreError> {
+        let completions = done.iter().map(|d| {
+            let mut conn = self.conn();
+            let (c, k) = (d.lease.consumer.as_str(), d.lease.key.as_str());
+            let invocation = {
+                let mut i = self.scripts.complete.prepare_invoke();
+                i.key(self.keys.scoped(c, k, "rec"))
+                    .key(self.keys.scoped(c, k, "fence"))
+                    .key(self.keys.scoped(c, k, "att"))
+                    .arg(&d.lease.token)
+                    .arg(done_value(d.fingerprint, d.result, d.lease.first_seen_ms))
+                    .arg(retention);
+                i
+            };
+            async move {
+                let r: Result<i64, RedisError> = invocation.invoke_async(&mut conn).await;
+                r
+            }
+        });
+        let held: Vec<Held> = failed
+            .iter()
+            .map(|l| Held {
+                rec: self.keys.scoped(&l.consumer, &l.key, "rec"),
+                token: l.token.clone(),
+                lost: Arc::clone(&l.lost),
+            })
+            .collect();
+        let mut conn = self.conn();
+        let (flags, released) = futures_util::future::join(
+            join_all(completions),
+            release(&mut conn, &self.scripts, &held),
+        )
+        .await;
+        released.map_err(map_err)?;
+        let flags: Vec<bool> = flags
+            .into_iter()
+            .map(|r| r.map(|f| f == 1))
+            .collect::<Result<_, _>>()
+            .map_err(map_err)?;
+        let completed: Vec<&RedisLease> = done
+            .iter()
+            .zip(&flags)
+            .filter(|(_, ok)| **ok)
+            .map(|(d, _)| &d.lease)
+            .collect();
+        if let Some(first) = completed.first() {
+            let c = first.consumer.as_str();
+            let done_index = self.keys.consumer(c, "done");
+            let failing = self.keys.consumer(c, "failing");
+            let mut pipe = redis::pipe();
+            let zadd = pipe.cmd("ZADD").arg(&done_index);
+            for l in &completed {
+                zadd.arg(l.first_seen_ms).arg(&l.key);
+            }
+            zadd.ignore();
+            pipe.cmd("PEXPIRE").arg(&done_index).arg(retention).ignore();
+            pipe.cmd("ZREMRANGEBYSCORE")
+                .arg(&done_index)
+                .arg("-inf")
+                .arg(format!("({}", self.retention_horizon()))
+                .ignore();
+            let srem = pipe.cmd("SREM").arg(&failing);
+            for l in &completed {
+                srem.arg(&l.key);
+            }
+            srem.ignore();
+            self.index("done", &pipe).await;
+            self.add_consumer(c).await;
+        }
+        Ok(flags)
+    }
+}

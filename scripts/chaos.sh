@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# The chaos matrix: `idemq chaos` (built with the `failpoints` feature) per
+# (source, store) cell, ~2,000 orders and >= 20 kills per cell (20 random
+# SIGKILLs plus the kills at the named fail points).
+#
+#   scripts/chaos.sh            the short matrix: every source × PostgreSQL,
+#                               plus the JSON-lines file × every other store
+#                               and RabbitMQ × every other store
+#   scripts/chaos.sh --full     every source × every store (32 cells)
+#   scripts/chaos.sh --cells 'jsonl:sqlite amqp:redis'   chosen cells
+#
+# Environment: CHAOS_MESSAGES (2000), CHAOS_KILLS (20), CHAOS_WORKERS (3),
+# CHAOS_ARGS (extra `idemq chaos` flags), CHAOS_BIN (a prebuilt binary), CHAOS_DIR (work directory, default
+# a new one under /tmp), CHAOS_REPORT (the Markdown table, default
+# $CHAOS_DIR/report.md). The services are expected to run already
+# (scripts/services.sh, kafka.sh, sqs.sh, rocketmq.sh); a cell whose broker
+# or store is down fails, the others run.
+#
+# moto, the local SQS, serves about one message a second to three consumers
+# on a busy two-core machine: SQS cells publish CHAOS_SQS_MESSAGES (300).
+#
+# Exit status: 0 when every cell passed, 1 otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+mode=short
+cells=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --full) mode=full ;;
+    --cells) cells="$2"; shift ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    *) echo "chaos.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+MESSAGES="${CHAOS_MESSAGES:-2000}"
+KILLS="${CHAOS_KILLS:-20}"
+WORKERS="${CHAOS_WORKERS:-3}"
+DIR="${CHAOS_DIR:-$(mktemp -d /tmp/idemq-chaos.XXXXXX)}"
+REPORT="${CHAOS_REPORT:-$DIR/report.md}"
+mkdir -p "$DIR"
+
+if [ -n "${CHAOS_BIN:-}" ]; then
+  BIN="$CHAOS_BIN"   # an idemq built with --features failpoints already
+else
+  cargo build -p idemq-cli --features failpoints || exit 1
+  BIN="${CARGO_TARGET_DIR:-target}/debug/idemq"
+fi
+
+source_url() {
+  case "$1" in
+    jsonl) echo "$DIR/orders-{run}.jsonl" ;;
+    kafka) echo "kafka://127.0.0.1:9092/chaos_{run}?group=chaos_{run}&create_partitions=3&session_timeout_ms=6000" ;;
+    amqp) echo "amqp://guest:guest@127.0.0.1:5672/%2f?queue=chaos_{run}" ;;
+    sqs) echo "sqs://chaos_{run}?endpoint=http://127.0.0.1:5000&region=us-east-1&create=true&wait=1&visibility=5" ;;
+    nats) echo "nats://127.0.0.1:4222/chaos_{run}/chaos_{run}_c?subject=chaos_{run}.orders&create=true&ack_wait=5s&wait=1s" ;;
+    redis-stream) echo "redis-stream://127.0.0.1:6379/chaos_{run}?group=chaos&claim_idle=3s" ;;
+    mqtt) echo "mqtt://127.0.0.1:1883/\$share/chaos/chaos_{run}/orders?client_id=chaos_{run}" ;;
+    rocketmq) echo "rocketmq://127.0.0.1:9876/chaos_{run}?group=chaos_{run}_g" ;;
+    *) echo "chaos.sh: unknown source $1" >&2; return 1 ;;
+  esac
+}
+
+# Per source: how long a worker waits without messages before it exits. It
+# must cover a (loaded) broker's receive round trip and its rebalances.
+source_args() {
+  case "$1" in
+    sqs) echo "--idle-exit 15s" ;;
+    kafka) echo "--idle-exit 15s" ;;
+    rocketmq) echo "--idle-exit 20s" ;;
+    *) echo "--idle-exit 3s" ;;
+  esac
+}
+
+store_url() {
+  case "$1" in
+    sqlite) echo "sqlite://$DIR/chaos.db" ;;
+    postgres) echo "postgres://postgres@127.0.0.1:5432/test" ;;
+    mysql) echo "mysql://root@127.0.0.1:3306/test" ;;
+    redis) echo "redis://127.0.0.1:6379" ;;
+    *) echo "chaos.sh: unknown store $1" >&2; return 1 ;;
+  esac
+}
+
+SOURCES="jsonl kafka amqp sqs nats redis-stream mqtt rocketmq"
+STORES="sqlite postgres mysql redis"
+if [ -z "$cells" ]; then
+  if [ "$mode" = full ]; then
+    for st in $STORES; do for so in $SOURCES; do cells="$cells $so:$st"; done; done
+  else
+    for so in $SOURCES; do cells="$cells $so:postgres"; done
+    for st in sqlite mysql redis; do cells="$cells jsonl:$st amqp:$st"; done
+  fi
+fi
+
+echo "chaos: cells:$cells"
+echo "chaos: $MESSAGES orders, $WORKERS workers, $KILLS random kills per cell; work dir $DIR"
+failed=0
+started=$(date +%s)
+for cell in $cells; do
+  so="${cell%%:*}"
+  st="${cell#*:}"
+  src=$(source_url "$so") || { failed=1; continue; }
+  store=$(store_url "$st") || { failed=1; continue; }
+  msgs="$MESSAGES"
+  if [ "$so" = sqs ]; then msgs="${CHAOS_SQS_MESSAGES:-300}"; fi
+  t0=$(date +%s)
+  # shellcheck disable=SC2086
+  "$BIN" --store "$store" chaos --source "$src" --messages "$msgs" \
+    --kills "$KILLS" --workers "$WORKERS" --work-dir "$DIR" --report "$REPORT" \
+    $(source_args "$so") ${CHAOS_ARGS:-}
+  code=$?
+  echo "chaos: cell $so × $st: exit $code in $(( $(date +%s) - t0 )) s"
+  if [ $code -ne 0 ]; then
+    failed=1
+    if [ $code -ne 4 ]; then
+      # Not a verdict: the cell could not run. Record it in the table.
+      if [ ! -s "$REPORT" ]; then
+        echo "| source | store | messages | dup same id | dup new id | poison | kills random | after_claim | after_handler | before_commit | after_commit_before_ack | restarts | db/broker restarts | double effects | lost | dead letters | seconds | result |" >"$REPORT"
+        echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" >>"$REPORT"
+      fi
+      echo "| $so | $st | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - | ERROR (exit $code) |" >>"$REPORT"
+    fi
+  fi
+done
+echo
+echo "chaos: $(( $(date +%s) - started )) s in all"
+cat "$REPORT"
+exit $failed
