@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 # Only the embedded default is compiled here; `cargo build --release -p idemq-cli`
 # builds every backend and broker (and takes several minutes more).
 cargo build -q --release -p idemq-cli --no-default-features --features sqlite
-idemq=target/release/idemq
+idemq="${CARGO_TARGET_DIR:-target}/release/idemq"
 
 set -x
 "$idemq" consume examples/payments.jsonl \
