@@ -134,8 +134,10 @@ enum Command {
             turns), so the rows of one key go out in order. A relay that dies after a publish \
             and before its delete publishes the row again with the same id: consume with \
             `--key header:event_id` and the inbox drops the copy. The table is created by \
-            --migrate. At the end a line is printed:\n  \
-            relayed from TABLE: published=N failures=N batches=N",
+            --migrate. A row that can never be published (or fails --max-attempts times, when \
+            set) moves to {prefix}outbox_dead with the reason; its key's later rows go on. At \
+            the end a line is printed:\n  \
+            relayed from TABLE: published=N dead=N failures=N batches=N",
         after_long_help = EXIT_CODES
     )]
     Relay(commands::RelayArgs),

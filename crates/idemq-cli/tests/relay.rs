@@ -1,8 +1,11 @@
 //! `idemq relay` end to end: outbox rows inserted with plain SQL (as any
 //! producer, in any language, can write them) are relayed to a JSON-lines
-//! file (SQLite) and to a Redis stream (PostgreSQL, MariaDB), then consumed
-//! with `idemq consume --key header:event_id`: every event applied exactly
-//! once, even when the relayed copies arrive twice, and the outbox is empty.
+//! file (SQLite), a Redis stream (PostgreSQL, MariaDB), RabbitMQ, NATS
+//! JetStream and Kafka (PostgreSQL), then consumed from there with `idemq
+//! consume --key header:event_id`: every event applied exactly once, even
+//! when rows are relayed twice with the same ids (as after a relay died
+//! between the broker's confirmation and its delete), and the outbox is
+//! empty. Every destination runs through the one [`relay_round_trip`].
 #![cfg(all(
     feature = "sqlite",
     feature = "postgres",
@@ -11,6 +14,7 @@
 ))]
 
 use std::process::{Command, Stdio};
+use std::str::FromStr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 const BIN: &str = env!("CARGO_BIN_EXE_idemq");
@@ -28,6 +32,17 @@ impl Run {
     fn ok(self) -> Self {
         assert_eq!(self.code, 0, "idemq failed: {self:#?}");
         self
+    }
+
+    /// `NAME=N` of the summary line on stdout.
+    #[track_caller]
+    fn count(&self, name: &str) -> u64 {
+        let prefix = format!("{name}=");
+        self.stdout
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(prefix.as_str()))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no {name}= in the summary: {self:#?}"))
     }
 }
 
@@ -57,9 +72,12 @@ fn unique(name: &str) -> String {
     format!("{name}_{}_{nanos}", std::process::id())
 }
 
-/// Six payment events over two accounts (the key), in order per account:
-/// (id, account, payment_id, amount, n).
-fn events() -> Vec<(String, String, String, i64, u32)> {
+/// One payment event: its id, account (the key), payment id, amount and
+/// its number within the account.
+type Event = (String, String, String, i64, u32);
+
+/// Six payment events over two accounts, in order per account.
+fn events() -> Vec<Event> {
     (0..6)
         .map(|i| {
             (
@@ -73,117 +91,324 @@ fn events() -> Vec<(String, String, String, i64, u32)> {
         .collect()
 }
 
-fn payload(account: &str, payment_id: &str, amount: i64, n: u32) -> String {
+fn payload(account: &str, payment_id: &str, amount: i64, n: u32) -> Vec<u8> {
     serde_json::json!({ "payment_id": payment_id, "account": account, "amount": amount, "n": n })
         .to_string()
+        .into_bytes()
 }
 
-/// Inserts the events with plain SQL (`$n` or `?` placeholders), and one
-/// more in a transaction that rolls back.
-macro_rules! insert_events {
-    ($pool:expr, $table:expr, $placeholders:expr) => {{
-        let sql = format!(
-            "INSERT INTO {} (id, aggregatetype, aggregateid, type, payload, headers) VALUES {}",
-            $table, $placeholders
-        );
-        for (id, account, payment_id, amount, n) in events() {
-            sqlx::query(&sql)
-                .bind(&id)
-                .bind("payments")
-                .bind(&account)
-                .bind("PaymentCaptured")
-                .bind(payload(&account, &payment_id, amount, n).into_bytes())
-                .bind(r#"{"source":"sql"}"#)
-                .execute($pool)
-                .await
-                .unwrap();
+/// The ledger every consume must end with: each payment once.
+fn expected_ledger() -> Vec<(String, i64)> {
+    events().into_iter().map(|e| (e.2, e.3)).collect()
+}
+
+/// A connection pool of one of the SQL databases.
+enum Pool {
+    Sqlite(sqlx::SqlitePool),
+    Postgres(sqlx::PgPool),
+    MySql(sqlx::MySqlPool),
+}
+
+/// Evaluates `$body` with `$p` bound to the pool inside `$pool`, whichever
+/// database it is.
+macro_rules! with_pool {
+    ($pool:expr, $p:ident => $body:expr) => {
+        match $pool {
+            Pool::Sqlite($p) => $body,
+            Pool::Postgres($p) => $body,
+            Pool::MySql($p) => $body,
         }
-        let mut tx = $pool.begin().await.unwrap();
-        sqlx::query(&sql)
-            .bind("evt-rolled-back")
-            .bind("payments")
-            .bind("acc-0")
-            .bind("PaymentCaptured")
-            .bind(payload("acc-0", "p-rolled-back", 1, 99).into_bytes())
-            .bind(r#"{}"#)
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        tx.rollback().await.unwrap();
-    }};
+    };
 }
 
-/// `published=N` of the relay's summary line.
-fn published(run: &Run) -> u64 {
-    run.stdout
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("published="))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no summary: {run:#?}"))
+/// The application's database (its outbox) and the consumer's (inbox and
+/// ledger): one database, one table prefix of its own per test.
+struct Db {
+    store: String,
+    prefix: String,
+    pool: Pool,
+    dir: Option<tempfile::TempDir>,
 }
 
-const CREATE_LEDGER: &str =
-    "CREATE TABLE IF NOT EXISTS ledger_NAME (payment_id VARCHAR(64), account VARCHAR(64), amount BIGINT)";
+impl Db {
+    /// A new SQLite file.
+    async fn sqlite() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let store = format!("sqlite://{}", dir.path().join("app.db").display());
+        let options = sqlx::sqlite::SqliteConnectOptions::from_str(&store)
+            .unwrap()
+            .create_if_missing(true);
+        let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+        Self::new(store, Pool::Sqlite(pool), Some(dir))
+    }
+
+    async fn postgres() -> Self {
+        let store = std::env::var("IDEMQ_TEST_POSTGRES")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+        let pool = Pool::Postgres(sqlx::PgPool::connect(&store).await.unwrap());
+        Self::new(store, pool, None)
+    }
+
+    async fn mariadb() -> Self {
+        let store = std::env::var("IDEMQ_TEST_MYSQL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let pool = Pool::MySql(sqlx::MySqlPool::connect(&store).await.unwrap());
+        Self::new(store, pool, None)
+    }
+
+    /// With a table prefix of its own, and the outbox created by `relay
+    /// --migrate` (an empty outbox with `--idle-exit 0s` ends at once).
+    fn new(store: String, pool: Pool, dir: Option<tempfile::TempDir>) -> Self {
+        let db = Self {
+            store,
+            prefix: format!("{}_", unique("relaycli")),
+            pool,
+            dir,
+        };
+        let run = db
+            .idemq(&["relay", "--to", "-", "--migrate", "--idle-exit", "0s"])
+            .ok();
+        assert!(run.stderr.contains("published=0 dead=0"), "{run:#?}");
+        db
+    }
+
+    fn table(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// `idemq --store … --table-prefix … ARGS…`.
+    fn idemq(&self, args: &[&str]) -> Run {
+        let mut all = vec!["--store", &self.store, "--table-prefix", &self.prefix];
+        all.extend_from_slice(args);
+        idemq(&all)
+    }
+
+    /// Inserts `events` into the outbox with plain SQL, then one more in a
+    /// transaction that rolls back.
+    async fn insert(&self, events: &[Event]) {
+        let marks = match self.pool {
+            Pool::Postgres(_) => "($1, $2, $3, $4, $5, $6)",
+            _ => "(?, ?, ?, ?, ?, ?)",
+        };
+        let sql = format!(
+            "INSERT INTO {} (id, aggregatetype, aggregateid, type, payload, headers) VALUES {marks}",
+            self.table("outbox")
+        );
+        let rolled_back: Event = (
+            "evt-rolled-back".into(),
+            "acc-0".into(),
+            "p-x".into(),
+            1,
+            99,
+        );
+        let all = events
+            .iter()
+            .map(|e| (e, true))
+            .chain([(&rolled_back, false)]);
+        with_pool!(&self.pool, pool => {
+            for ((id, account, payment_id, amount, n), commit) in all {
+                let mut tx = pool.begin().await.unwrap();
+                sqlx::query(&sql)
+                    .bind(id)
+                    .bind("payments")
+                    .bind(account)
+                    .bind("PaymentCaptured")
+                    .bind(payload(account, payment_id, *amount, *n))
+                    .bind(r#"{"source":"sql"}"#)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                if commit {
+                    tx.commit().await.unwrap();
+                } else {
+                    tx.rollback().await.unwrap();
+                }
+            }
+        })
+    }
+
+    async fn count(&self, table: &str) -> i64 {
+        let sql = format!("SELECT COUNT(*) FROM {}", self.table(table));
+        with_pool!(&self.pool, pool => {
+            sqlx::query_scalar::<_, i64>(&sql).fetch_one(pool).await.unwrap()
+        })
+    }
+
+    async fn ledger(&self) -> Vec<(String, i64)> {
+        let sql = format!(
+            "SELECT payment_id, amount FROM {} ORDER BY payment_id",
+            self.table("ledger")
+        );
+        with_pool!(&self.pool, pool => {
+            sqlx::query_as::<_, (String, i64)>(&sql).fetch_all(pool).await.unwrap()
+        })
+    }
+
+    /// `idemq consume FROM` into the ledger, keyed by `header:event_id`.
+    fn consume(&self, from: &str, consumer: &str) -> Run {
+        let ledger = self.table("ledger");
+        let create = format!(
+            "CREATE TABLE IF NOT EXISTS {ledger} (payment_id VARCHAR(64), account VARCHAR(64), amount BIGINT)"
+        );
+        let insert = format!("INSERT INTO {ledger} VALUES (:payment_id, :account, :amount)");
+        self.idemq(&[
+            "consume",
+            from,
+            "--consumer",
+            consumer,
+            "--key",
+            "header:event_id",
+            "--idle-exit",
+            "3s",
+            "--init-sql",
+            &create,
+            "--apply-sql",
+            &insert,
+        ])
+        .ok()
+    }
+
+    async fn drop_tables(&self) {
+        let tables = [
+            "ledger",
+            "outbox",
+            "outbox_dead",
+            "inbox",
+            "attempts",
+            "dead_letters",
+            "schema_migrations",
+            "offsets",
+            "effects",
+        ];
+        for t in tables {
+            let sql = format!("DROP TABLE IF EXISTS {}", self.table(t));
+            with_pool!(&self.pool, pool => {
+                let _ = sqlx::query(&sql).execute(pool).await;
+            });
+        }
+        if let Pool::Postgres(pool) = &self.pool {
+            let sql = format!("DROP FUNCTION IF EXISTS {}()", self.table("outbox_notify"));
+            let _ = sqlx::query(&sql).execute(pool).await;
+        }
+    }
+}
+
+/// Where `idemq relay --to` publishes and where `idemq consume` reads it back.
+struct Destination {
+    /// The `--to` URL or file.
+    to: String,
+    /// The source `consume` reads (the consumer `billing`).
+    from: String,
+    /// Another consumer group of the same messages, which reads all of them
+    /// again (where the broker keeps messages after their ack).
+    replay: Option<String>,
+    /// The broker drops a message whose id it has stored already (JetStream
+    /// `Nats-Msg-Id` within its duplicate window), so the republished
+    /// copies never reach the consumer.
+    drops_repeated_ids: bool,
+}
+
+/// The whole path, for any database and destination: six events (and one
+/// rolled back) are relayed; two of them are enqueued and relayed again
+/// with the same ids; `consume` applies each event once and counts the
+/// copies as duplicates; a second consume finds nothing (everything was
+/// acknowledged); a replay group finds only duplicates; the outbox and its
+/// dead-letter table are empty.
+async fn relay_round_trip(db: &Db, dest: &Destination) {
+    let relay = || {
+        db.idemq(&[
+            "relay",
+            "--to",
+            &dest.to,
+            "--batch",
+            "4",
+            "--max-attempts",
+            "3",
+            "--idle-exit",
+            "2s",
+        ])
+        .ok()
+    };
+    db.insert(&events()).await;
+    let first = relay();
+    assert_eq!(
+        (first.count("published"), first.count("dead")),
+        (6, 0),
+        "{first:#?}"
+    );
+    assert_eq!(db.count("outbox").await, 0, "the outbox is empty");
+
+    // As after a relay that died between the broker's confirmation and its
+    // delete: the same rows, the same ids, published again.
+    db.insert(&events()[..2]).await;
+    let again = relay();
+    assert_eq!(again.count("published"), 2, "{again:#?}");
+    assert_eq!(db.count("outbox").await, 0);
+
+    let copies = if dest.drops_repeated_ids { 0 } else { 2 };
+    let consumed = db.consume(&dest.from, "billing");
+    assert!(
+        consumed
+            .stdout
+            .contains(&format!("processed=6 duplicate={copies} conflict=0")),
+        "{consumed:#?}"
+    );
+    assert_eq!(db.ledger().await, expected_ledger(), "each payment once");
+    let rerun = db.consume(&dest.from, "billing");
+    assert!(
+        rerun.stdout.contains("processed=0 duplicate=0 conflict=0"),
+        "everything was acknowledged: {rerun:#?}"
+    );
+    if let Some(replay) = &dest.replay {
+        let replayed = db.consume(replay, "billing");
+        assert!(
+            replayed
+                .stdout
+                .contains(&format!("processed=0 duplicate={} ", 6 + copies)),
+            "{replayed:#?}"
+        );
+    }
+    assert_eq!(db.ledger().await, expected_ledger());
+    assert_eq!(db.count("outbox").await, 0);
+    assert_eq!(db.count("outbox_dead").await, 0);
+}
+
+/// A fresh Redis stream: `to`, and the groups `billing` and `replay`.
+fn redis_stream() -> Destination {
+    let stream = unique("relay_cli");
+    let url = format!("redis-stream://127.0.0.1:6379/{stream}");
+    Destination {
+        from: format!("{url}?group=billing&block=200ms"),
+        replay: Some(format!("{url}?group=replay&block=200ms")),
+        to: url,
+        drops_repeated_ids: false,
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_rows_are_relayed_to_a_file_and_consumed_exactly_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("app.db");
-    let store = format!("sqlite://{}", db.display());
-    let out = dir.path().join("relayed.jsonl");
-    let out = out.to_str().unwrap();
-
-    // --migrate creates the table; an empty outbox with --idle-exit 0s ends at once.
-    let first = idemq(&[
-        "--store",
-        &store,
-        "relay",
-        "--to",
-        out,
-        "--migrate",
-        "--idle-exit",
-        "0s",
-    ])
-    .ok();
-    assert_eq!(published(&first), 0);
-
-    let pool = sqlx::SqlitePool::connect(&store).await.unwrap();
-    insert_events!(&pool, "idemq_outbox", "(?, ?, ?, ?, ?, ?)");
-
-    let run = idemq(&[
-        "--store",
-        &store,
-        "relay",
-        "--to",
-        out,
-        "--batch",
-        "4",
-        "--idle-exit",
-        "2s",
-    ])
-    .ok();
-    assert_eq!(published(&run), 6, "{run:#?}");
-    let (left,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM idemq_outbox")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(left, 0, "the outbox is empty");
-    // A second relay finds nothing.
-    assert_eq!(
-        published(&idemq(&["--store", &store, "relay", "--to", out, "--idle-exit", "0s"]).ok()),
-        0
-    );
+    let db = Db::sqlite().await;
+    let out = db.dir.as_ref().unwrap().path().join("relayed.jsonl");
+    let out = out.to_str().unwrap().to_owned();
+    let dest = Destination {
+        to: out.clone(),
+        from: out.clone(),
+        replay: None,
+        drops_repeated_ids: false,
+    };
+    relay_round_trip(&db, &dest).await;
 
     // The file holds the envelopes: id = event_id header = the row id,
-    // key = the account, the row's headers, in order per account.
-    let text = std::fs::read_to_string(out).unwrap();
+    // key = the account, the row's headers, in order per account; then the
+    // two copies.
+    let text = std::fs::read_to_string(&out).unwrap();
     let lines: Vec<serde_json::Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(lines.len(), 6, "{text}");
+    assert_eq!(lines.len(), 8, "{text}");
     let mut last_n = std::collections::HashMap::new();
-    for line in &lines {
+    for line in &lines[..6] {
         assert_eq!(line["id"], line["headers"]["event_id"]);
         assert_eq!(line["headers"]["event_type"], "PaymentCaptured");
         assert_eq!(line["headers"]["source"], "sql");
@@ -196,221 +421,136 @@ async fn sqlite_rows_are_relayed_to_a_file_and_consumed_exactly_once() {
             line["key"]
         );
     }
+    assert_eq!(lines[6..], lines[..2], "the copies carry the same ids");
     assert!(!text.contains("rolled-back"));
-
-    // A relay that crashed after publishing and before deleting sends rows
-    // again with the same ids: append two copies, as it would have.
-    let copies: String = text.lines().take(2).map(|l| format!("{l}\n")).collect();
-    std::fs::write(out, format!("{text}{copies}")).unwrap();
-    let ledger = CREATE_LEDGER.replace("NAME", "sqlite");
-    let consume = idemq(&[
-        "--store",
-        &store,
-        "consume",
-        out,
-        "--consumer",
-        "billing",
-        "--key",
-        "header:event_id",
-        "--init-sql",
-        &ledger,
-        "--apply-sql",
-        "INSERT INTO ledger_sqlite VALUES (:payment_id, :account, :amount)",
-    ])
-    .ok();
-    assert!(
-        consume
-            .stdout
-            .contains("processed=6 duplicate=2 conflict=0"),
-        "{consume:#?}"
-    );
-    let rows: Vec<(String, i64)> =
-        sqlx::query_as("SELECT payment_id, amount FROM ledger_sqlite ORDER BY payment_id")
-            .fetch_all(&pool)
-            .await
-            .unwrap();
-    let want: Vec<(String, i64)> = events().into_iter().map(|e| (e.2, e.3)).collect();
-    assert_eq!(rows, want, "each payment once");
-}
-
-/// Relays `table`'s rows to a fresh Redis stream and consumes them into
-/// `ledger` with the store `store` (prefix `prefix`); returns the consume run.
-fn relay_and_consume(store: &str, prefix: &str, ledger: &str, insert: &str) -> Run {
-    let stream = unique("relay_cli");
-    let to = format!("redis-stream://127.0.0.1:6379/{stream}");
-    let run = idemq(&[
-        "--store",
-        store,
-        "--table-prefix",
-        prefix,
-        "relay",
-        "--to",
-        &to,
-        "--batch",
-        "3",
-        "--idle-exit",
-        "2s",
-    ])
-    .ok();
-    assert_eq!(published(&run), 6, "{run:#?}");
-    let source = format!("redis-stream://127.0.0.1:6379/{stream}?group=billing&block=200ms");
-    let create = CREATE_LEDGER.replace("ledger_NAME", ledger);
-    let consumed = idemq(&[
-        "--store",
-        store,
-        "--table-prefix",
-        prefix,
-        "consume",
-        &source,
-        "--consumer",
-        "billing",
-        "--key",
-        "header:event_id",
-        "--idle-exit",
-        "2s",
-        "--init-sql",
-        &create,
-        "--apply-sql",
-        insert,
-    ])
-    .ok();
-    // Reading the same stream again from the start (a new group) delivers
-    // every event a second time: all duplicates.
-    let again = format!("redis-stream://127.0.0.1:6379/{stream}?group=replay&block=200ms");
-    let replay = idemq(&[
-        "--store",
-        store,
-        "--table-prefix",
-        prefix,
-        "consume",
-        &again,
-        "--consumer",
-        "billing",
-        "--key",
-        "header:event_id",
-        "--idle-exit",
-        "2s",
-        "--apply-sql",
-        insert,
-    ])
-    .ok();
-    assert!(
-        replay.stdout.contains("processed=0 duplicate=6"),
-        "{replay:#?}"
-    );
-    consumed
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_rows_are_relayed_to_redis_and_consumed_exactly_once() {
-    let url = std::env::var("IDEMQ_TEST_POSTGRES")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let prefix = format!("{}_", unique("relaycli"));
-    let ledger = format!("{prefix}ledger");
-    idemq(&[
-        "--store",
-        &url,
-        "--table-prefix",
-        &prefix,
-        "relay",
-        "--to",
-        "-",
-        "--migrate",
-        "--idle-exit",
-        "0s",
-    ])
-    .ok();
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    insert_events!(&pool, format!("{prefix}outbox"), "($1, $2, $3, $4, $5, $6)");
-
-    let insert = format!("INSERT INTO {ledger} VALUES (:payment_id, :account, :amount)");
-    let consumed = relay_and_consume(&url, &prefix, &ledger, &insert);
-    assert!(
-        consumed.stdout.contains("processed=6 duplicate=0"),
-        "{consumed:#?}"
-    );
-    let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
-        "SELECT payment_id, amount FROM {ledger} ORDER BY payment_id"
-    ))
-    .fetch_all(&pool)
-    .await
-    .unwrap();
-    let want: Vec<(String, i64)> = events().into_iter().map(|e| (e.2, e.3)).collect();
-    assert_eq!(rows, want);
-    let (left,): (i64,) = sqlx::query_as(&format!("SELECT COUNT(*) FROM {prefix}outbox"))
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(left, 0);
-    for t in [
-        "ledger",
-        "outbox",
-        "inbox",
-        "attempts",
-        "dead_letters",
-        "schema_migrations",
-        "offsets",
-        "effects",
-    ] {
-        let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{t}"))
-            .execute(&pool)
-            .await;
-    }
-    let _ = sqlx::query(&format!("DROP FUNCTION IF EXISTS {prefix}outbox_notify()"))
-        .execute(&pool)
-        .await;
+    let db = Db::postgres().await;
+    relay_round_trip(&db, &redis_stream()).await;
+    db.drop_tables().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mariadb_rows_are_relayed_to_redis_and_consumed_exactly_once() {
-    let url = std::env::var("IDEMQ_TEST_MYSQL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-    let prefix = format!("{}_", unique("relaycli"));
-    let ledger = format!("{prefix}ledger");
-    idemq(&[
-        "--store",
-        &url,
-        "--table-prefix",
-        &prefix,
-        "relay",
-        "--to",
-        "-",
-        "--migrate",
-        "--idle-exit",
-        "0s",
-    ])
-    .ok();
-    let pool = sqlx::MySqlPool::connect(&url).await.unwrap();
-    insert_events!(&pool, format!("{prefix}outbox"), "(?, ?, ?, ?, ?, ?)");
+    let db = Db::mariadb().await;
+    relay_round_trip(&db, &redis_stream()).await;
+    db.drop_tables().await;
+}
 
-    let insert = format!("INSERT INTO {ledger} VALUES (:payment_id, :account, :amount)");
-    let consumed = relay_and_consume(&url, &prefix, &ledger, &insert);
-    assert!(
-        consumed.stdout.contains("processed=6 duplicate=0"),
-        "{consumed:#?}"
+/// RabbitMQ: the relay's publisher declares the queue; an acked message is
+/// gone, so there is no replay.
+#[cfg(feature = "amqp")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_rows_are_relayed_to_rabbitmq_and_consumed_exactly_once() {
+    let db = Db::postgres().await;
+    let url = format!(
+        "amqp://guest:guest@127.0.0.1:5672/%2f?queue={}",
+        unique("relay_cli")
     );
-    let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
-        "SELECT payment_id, amount FROM {ledger} ORDER BY payment_id"
+    let dest = Destination {
+        to: url.clone(),
+        from: url,
+        replay: None,
+        drops_repeated_ids: false,
+    };
+    relay_round_trip(&db, &dest).await;
+    db.drop_tables().await;
+}
+
+/// NATS JetStream: `create=true` makes the stream; the relay's message id
+/// is the `Nats-Msg-Id`, so JetStream itself drops the republished copies,
+/// and a second durable consumer reads the six again.
+#[cfg(feature = "nats")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_rows_are_relayed_to_nats_and_consumed_exactly_once() {
+    let db = Db::postgres().await;
+    let name = unique("relay_cli");
+    let url = |consumer: &str| {
+        format!(
+            "nats://127.0.0.1:4222/{name}/{consumer}?subject={name}.payments&create=true&ack_wait=5s&wait=1s"
+        )
+    };
+    let dest = Destination {
+        to: url("relay"),
+        from: url("billing"),
+        replay: Some(url("replay")),
+        drops_repeated_ids: true,
+    };
+    relay_round_trip(&db, &dest).await;
+    db.drop_tables().await;
+}
+
+/// Kafka (tansu on 127.0.0.1:9092): the relay creates the topic with three
+/// partitions (the account is the record key, so each account's events
+/// stay in order); a second group reads everything again.
+#[cfg(feature = "kafka")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_rows_are_relayed_to_kafka_and_consumed_exactly_once() {
+    let db = Db::postgres().await;
+    let url = format!("kafka://127.0.0.1:9092/{}", unique("relay_cli"));
+    let dest = Destination {
+        to: format!("{url}?create_partitions=3"),
+        from: format!("{url}?group=billing"),
+        replay: Some(format!("{url}?group=replay")),
+        drops_repeated_ids: false,
+    };
+    relay_round_trip(&db, &dest).await;
+    db.drop_tables().await;
+}
+
+/// A row whose `headers` is not a JSON object can never be published: the
+/// relay moves it to the dead-letter table with the reason and publishes
+/// the later row of its key; `--max-attempts 0` would have kept retrying,
+/// but a permanent error does not wait for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_that_cannot_be_published_goes_to_the_dead_table() {
+    let db = Db::sqlite().await;
+    let Pool::Sqlite(pool) = &db.pool else {
+        unreachable!()
+    };
+    let sql = format!(
+        "INSERT INTO {} (id, aggregatetype, aggregateid, payload, headers) VALUES \
+         ('evt-bad', 'payments', 'acc-0', X'7B7D', '[1]'), ('evt-next', 'payments', 'acc-0', X'7B7D', NULL)",
+        db.table("outbox")
+    );
+    sqlx::query(&sql).execute(pool).await.unwrap();
+    let out = db.dir.as_ref().unwrap().path().join("relayed.jsonl");
+    let out = out.to_str().unwrap();
+    let run = db
+        .idemq(&[
+            "relay",
+            "--to",
+            out,
+            "--max-attempts",
+            "0",
+            "--idle-exit",
+            "1s",
+        ])
+        .ok();
+    assert_eq!(
+        (run.count("published"), run.count("dead")),
+        (1, 1),
+        "{run:#?}"
+    );
+    assert!(run.stderr.contains("dead-letter table"), "logged: {run:#?}");
+    let dead: Vec<(String, String, i64)> = sqlx::query_as(&format!(
+        "SELECT id, reason, attempts FROM {}",
+        db.table("outbox_dead")
     ))
-    .fetch_all(&pool)
+    .fetch_all(pool)
     .await
     .unwrap();
-    let want: Vec<(String, i64)> = events().into_iter().map(|e| (e.2, e.3)).collect();
-    assert_eq!(rows, want);
-    for t in [
-        "ledger",
-        "outbox",
-        "inbox",
-        "attempts",
-        "dead_letters",
-        "schema_migrations",
-        "offsets",
-        "effects",
-    ] {
-        let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{t}"))
-            .execute(&pool)
-            .await;
-    }
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!((dead[0].0.as_str(), dead[0].2), ("evt-bad", 1));
+    assert!(dead[0].1.contains("not a JSON object"), "{dead:?}");
+    let text = std::fs::read_to_string(out).unwrap();
+    assert!(
+        text.contains("evt-next") && !text.contains("evt-bad"),
+        "{text}"
+    );
+    assert_eq!(db.count("outbox").await, 0);
 }
 
 #[test]

@@ -3,7 +3,9 @@
 //! 127.0.0.1:6379, `IDEMQ_TEST_REDIS`): committed events are relayed and
 //! rolled-back ones are not; two relays running at once keep the order of
 //! every key; a failed publish is retried in order; a relay killed between
-//! the broker's confirmation and the delete republishes the same ids; and,
+//! the broker's confirmation and the delete republishes the same ids; a row
+//! that can never be published goes to the dead-letter table and its key's
+//! later rows go on; and,
 //! end to end, orders written by application transactions reach an idemq
 //! consumer's ledger exactly once while relays and consumers are killed.
 #![cfg(all(
@@ -109,11 +111,15 @@ async fn delete_stream(stream: &str) {
 /// A real Redis Streams publisher with fault injection: the next
 /// `fail_next` publishes fail before reaching Redis; with `hang_after`, the
 /// publish that makes that many confirmed publishes hangs *after* Redis took
-/// it (the relay dies there when its task is aborted); `delay` before each.
+/// it (the relay dies there when its task is aborted); `delay` before each;
+/// messages whose id is in `refuse` always fail, permanently
+/// ([`SourceError::Config`], as for a message the broker can never take)
+/// if the value is `true`, else as a broker error.
 struct Probe {
     inner: RedisStreamPublisher,
     delay: Duration,
     fail_next: AtomicU32,
+    refuse: HashMap<String, bool>,
     hang_after: Option<usize>,
     published: AtomicUsize,
     hung: Arc<tokio::sync::Notify>,
@@ -127,6 +133,7 @@ impl Probe {
                 .unwrap(),
             delay: Duration::ZERO,
             fail_next: AtomicU32::new(0),
+            refuse: HashMap::new(),
             hang_after: None,
             published: AtomicUsize::new(0),
             hung: Arc::new(tokio::sync::Notify::new()),
@@ -143,6 +150,16 @@ impl Publisher for Probe {
             .is_ok()
         {
             return Err(SourceError::Broker("injected failure".into()));
+        }
+        let refused = message.id.as_ref().and_then(|id| self.refuse.get(id));
+        match refused {
+            Some(true) => {
+                return Err(SourceError::Config(
+                    "message too large for the topic (injected)".into(),
+                ))
+            }
+            Some(false) => return Err(SourceError::Broker("unreachable (injected)".into())),
+            None => {}
         }
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
@@ -462,6 +479,136 @@ async fn a_failed_publish_is_retried_in_order<DB: OutboxDatabase>(
     delete_stream(&stream).await;
 }
 
+/// Two keys; one row of `k-0` fails permanently, the first row of `k-1`
+/// fails every time (a broker error). With `max_attempts` 3, the first goes
+/// to the dead-letter table at once — in the batch that publishes the rows
+/// around it — and the second after its third failure; both keep their
+/// columns and say why; the later rows of both keys are published in order.
+/// The outbox starts as an older version left it (no dead-letter table,
+/// version 1002 not recorded, rows waiting): `migrate` adds the table.
+async fn a_row_that_cannot_be_published_is_dead_lettered<DB: OutboxDatabase>(
+    pool: sqlx::Pool<DB>,
+    prefix: &str,
+) where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let outbox = Outbox::<DB>::new(prefix).unwrap();
+    outbox.migrate(&pool).await.unwrap();
+    let downgrade = format!(
+        "DROP TABLE {}; DELETE FROM {prefix}schema_migrations WHERE version = {}",
+        outbox.dead_table(),
+        idemq::outbox::OUTBOX_DEAD_SCHEMA_VERSION
+    );
+    sqlx::raw_sql(&downgrade).execute(&pool).await.unwrap();
+    assert!(
+        outbox.dead_letters(&pool, 1).await.is_err(),
+        "no dead table"
+    );
+    let stream = unique("outbox_dead");
+    let mut ids: HashMap<(&str, u64), String> = HashMap::new();
+    for (key, count) in [("k-0", 5), ("k-1", 4)] {
+        for n in 0..count {
+            let mut tx = pool.begin().await.unwrap();
+            let payload = serde_json::json!({ "n": n }).to_string();
+            let event = OutboxEvent::new("orders", key, payload.into_bytes())
+                .with_type("OrderPlaced")
+                .with_header("trace", format!("t-{key}-{n}"));
+            let id = outbox.enqueue_event(&mut tx, &event).await.unwrap();
+            tx.commit().await.unwrap();
+            ids.insert((key, n), id);
+        }
+    }
+    outbox.migrate(&pool).await.unwrap();
+    assert_eq!(outbox.pending(&pool).await.unwrap(), 9, "the rows are kept");
+    assert!(outbox.dead_letters(&pool, 1).await.unwrap().is_empty());
+    let (too_large, unreachable) = (ids[&("k-0", 1)].clone(), ids[&("k-1", 0)].clone());
+    let mut probe = Probe::new(&stream).await;
+    probe.refuse = HashMap::from([(too_large.clone(), true), (unreachable.clone(), false)]);
+    let relay = Relay::new(
+        pool.clone(),
+        outbox.clone(),
+        Arc::new(probe),
+        RelayOptions {
+            max_attempts: Some(3),
+            ..options("dead")
+        },
+    );
+
+    // Batch of 4: k-0's rows 0..=3; row 1 dies, 0, 2 and 3 go out.
+    let first = relay.relay_once().await.unwrap();
+    assert_eq!(
+        (first.published, first.dead, first.failed),
+        (3, 1, false),
+        "{first:?}"
+    );
+    let (stop, shutdown) = switch();
+    let run = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.run(shutdown()).await }
+    });
+    let drained = wait_until(Duration::from_secs(15), || {
+        let (outbox, pool) = (outbox.clone(), pool.clone());
+        async move { outbox.pending(&pool).await.unwrap() == 0 }
+    })
+    .await;
+    stop.send(true).unwrap();
+    let stats = run.await.unwrap().unwrap();
+    assert!(drained, "the outbox did not drain");
+    assert_eq!((stats.published, stats.dead), (4, 1), "{stats}");
+    assert_eq!(stats.failures, 2, "two failures before the third: {stats}");
+
+    let dead = outbox.dead_letters(&pool, 10).await.unwrap();
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    let (d0, d1) = (&dead[0], &dead[1]);
+    assert_eq!(
+        (d0.id.as_str(), d0.key.as_str(), d0.attempts),
+        (too_large.as_str(), "k-0", 1)
+    );
+    assert!(
+        d0.reason.starts_with("permanent publish error:") && d0.reason.contains("too large"),
+        "{d0:?}"
+    );
+    assert_eq!(
+        (d1.id.as_str(), d1.key.as_str(), d1.attempts),
+        (unreachable.as_str(), "k-1", 3)
+    );
+    assert!(
+        d1.reason.starts_with("gave up after 3 failed publishes:")
+            && d1.reason.contains("unreachable"),
+        "{d1:?}"
+    );
+    for d in &dead {
+        assert_eq!(d.destination, "orders");
+        assert_eq!(d.event_type, "OrderPlaced");
+        let payload: serde_json::Value = serde_json::from_slice(&d.payload).unwrap();
+        let n = payload["n"].as_u64().unwrap();
+        let headers: serde_json::Value =
+            serde_json::from_str(d.headers.as_deref().unwrap()).unwrap();
+        assert_eq!(headers["trace"], format!("t-{}-{n}", d.key));
+        assert!(d.dead_at >= d.created_at && d.created_at > 0, "{d:?}");
+    }
+    assert!(d0.seq < d1.seq);
+
+    // The rest of both keys went out once each, in order.
+    let entries = read_stream(&stream).await;
+    let mut sent: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for e in &entries {
+        assert_eq!(e.id, e.event_id);
+        sent.entry(e.key.clone())
+            .or_default()
+            .push(e.payload["n"].as_u64().unwrap());
+    }
+    assert_eq!(
+        sent,
+        BTreeMap::from([
+            ("k-0".to_owned(), vec![0, 2, 3, 4]),
+            ("k-1".to_owned(), vec![1, 2, 3]),
+        ]),
+        "{entries:?}"
+    );
+    delete_stream(&stream).await;
+}
+
 /// A relay dies after Redis took its 3rd message and before its delete
 /// committed: nothing is deleted, and the next relay publishes those rows
 /// again with the same ids (at least once), then the rest, in order.
@@ -544,7 +691,7 @@ mod postgres {
     }
 
     async fn drop_tables(pool: &sqlx::PgPool, prefix: &str) {
-        for t in ["outbox", "schema_migrations"] {
+        for t in ["outbox", "outbox_dead", "schema_migrations"] {
             sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{t}"))
                 .execute(pool)
                 .await
@@ -579,6 +726,13 @@ mod postgres {
     async fn a_failed_publish_is_retried_in_order() {
         let (pool, prefix) = (pool().await, format!("{}_", unique("ob")));
         super::a_failed_publish_is_retried_in_order(pool.clone(), &prefix).await;
+        drop_tables(&pool, &prefix).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_row_that_cannot_be_published_is_dead_lettered() {
+        let (pool, prefix) = (pool().await, format!("{}_", unique("ob")));
+        super::a_row_that_cannot_be_published_is_dead_lettered(pool.clone(), &prefix).await;
         drop_tables(&pool, &prefix).await;
     }
 
@@ -1017,6 +1171,7 @@ mod end_to_end {
             "orders",
             "ledger",
             "outbox",
+            "outbox_dead",
             "inbox",
             "attempts",
             "dead_letters",
@@ -1048,7 +1203,7 @@ mod mariadb {
     }
 
     async fn drop_tables(pool: &sqlx::MySqlPool, prefix: &str) {
-        for t in ["outbox", "schema_migrations"] {
+        for t in ["outbox", "outbox_dead", "schema_migrations"] {
             sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{t}"))
                 .execute(pool)
                 .await
@@ -1079,6 +1234,13 @@ mod mariadb {
     async fn a_failed_publish_is_retried_in_order() {
         let (pool, prefix) = (pool().await, format!("{}_", unique("ob")));
         super::a_failed_publish_is_retried_in_order(pool.clone(), &prefix).await;
+        drop_tables(&pool, &prefix).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_row_that_cannot_be_published_is_dead_lettered() {
+        let (pool, prefix) = (pool().await, format!("{}_", unique("ob")));
+        super::a_row_that_cannot_be_published_is_dead_lettered(pool.clone(), &prefix).await;
         drop_tables(&pool, &prefix).await;
     }
 
@@ -1137,6 +1299,12 @@ mod sqlite {
     async fn a_failed_publish_is_retried_in_order() {
         let (_dir, file) = file();
         super::a_failed_publish_is_retried_in_order(pool(&file).await, "app_").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_row_that_cannot_be_published_is_dead_lettered() {
+        let (_dir, file) = file();
+        super::a_row_that_cannot_be_published_is_dead_lettered(pool(&file).await, "app_").await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

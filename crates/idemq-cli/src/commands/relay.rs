@@ -49,8 +49,18 @@ pub struct RelayArgs {
     #[arg(long, default_value = "30s", value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub publish_timeout: Duration,
 
-    /// Create the outbox table `{prefix}outbox` first if it is missing (the
-    /// producers' `Outbox::migrate` does the same).
+    /// Failed publishes of one row after which it is moved to the
+    /// dead-letter table `{prefix}outbox_dead` (with the reason; its key's
+    /// later rows then go on); 0 (the default) retries forever, the key
+    /// waiting. Every failure counts, a broker outage too (10 attempts span
+    /// about 80 s of backoff). Errors a retry cannot cure dead-letter a row
+    /// at once.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub max_attempts: u32,
+
+    /// Create the outbox table `{prefix}outbox` and the dead-letter table
+    /// `{prefix}outbox_dead` first if they are missing (the producers'
+    /// `Outbox::migrate` does the same).
     #[arg(long)]
     pub migrate: bool,
 }
@@ -116,6 +126,7 @@ async fn relay<DB: OutboxDatabase>(
         poll_interval: args.poll_interval,
         idle_exit: args.idle_exit,
         publish_timeout: args.publish_timeout,
+        max_attempts: (args.max_attempts > 0).then_some(args.max_attempts),
         name: format!("relay-{}", std::process::id()),
         ..RelayOptions::default()
     };

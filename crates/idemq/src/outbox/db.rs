@@ -10,6 +10,7 @@ use std::sync::Arc;
 use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 
+use super::DeadEvent;
 use crate::store::sql::Dialect;
 
 /// A bound parameter.
@@ -82,6 +83,13 @@ pub trait Ops: sqlx::Database + Sized {
         sql: &'a str,
         binds: &'a [Bind<'a>],
     ) -> BoxFuture<'a, Result<Vec<RawRow>, sqlx::Error>>;
+
+    /// Runs a query returning dead rows in the order of `schema::DEAD_COLUMNS`.
+    fn fetch_dead<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a str,
+        binds: &'a [Bind<'a>],
+    ) -> BoxFuture<'a, Result<Vec<DeadEvent>, sqlx::Error>>;
 
     /// Begins the relay's batch transaction (SQLite: `BEGIN IMMEDIATE`, which
     /// takes the write lock at once, so that relays queue for it).
@@ -170,6 +178,36 @@ macro_rules! outbox_ops {
                                 headers: row.try_get(5)?,
                                 payload: row.try_get(6)?,
                                 attempts: row.try_get(7)?,
+                            })
+                        })
+                        .collect()
+                })
+            }
+
+            fn fetch_dead<'a>(
+                conn: &'a mut Self::Connection,
+                sql: &'a str,
+                binds: &'a [Bind<'a>],
+            ) -> BoxFuture<'a, Result<Vec<DeadEvent>, sqlx::Error>> {
+                Box::pin(async move {
+                    use sqlx::Row;
+                    bind_all!($db, sqlx::query(sql), binds)
+                        .fetch_all(&mut *conn)
+                        .await?
+                        .iter()
+                        .map(|row| {
+                            Ok(DeadEvent {
+                                seq: row.try_get(0)?,
+                                id: row.try_get(1)?,
+                                destination: row.try_get(2)?,
+                                key: row.try_get(3)?,
+                                event_type: row.try_get(4)?,
+                                headers: row.try_get(5)?,
+                                payload: row.try_get(6)?,
+                                created_at: row.try_get(7)?,
+                                attempts: row.try_get(8)?,
+                                reason: row.try_get(9)?,
+                                dead_at: row.try_get(10)?,
                             })
                         })
                         .collect()

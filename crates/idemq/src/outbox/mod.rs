@@ -28,6 +28,9 @@
 //! | `headers`       | JSON object of headers ([`Headers::to_json`]), or NULL        | headers              |
 //! | `created_at`, `attempts`, `available_at`, `last_error` | the relay's bookkeeping (ms since the epoch) | — |
 //!
+//! Rows the relay gives up on move to `{prefix}outbox_dead`: the same
+//! columns (but `available_at`, `last_error`) plus `reason` and `dead_at`.
+//!
 //! # Ordering
 //!
 //! A relay holds a (destination, key) by locking the key's *oldest* row:
@@ -52,6 +55,12 @@
 //! - The business transaction rolls back: the row never existed.
 //! - A publish fails or times out: the row stays, its `attempts` grows and
 //!   it is retried after a backoff; later rows of its key wait.
+//! - A row fails [`RelayOptions::max_attempts`] times, or with an error a
+//!   retry cannot cure (a [`SourceError::Config`](crate::SourceError::Config)
+//!   from the publisher, a `headers` column that is not a JSON object): it
+//!   moves to `{prefix}outbox_dead` with the reason, in the transaction that
+//!   deletes it, and its key's later rows go on ([`Outbox::dead_letters`]
+//!   lists them).
 //! - The relay dies after the broker took a message and before the delete
 //!   commits: its transaction rolls back, and the next relay publishes the
 //!   same row again **with the same id** — at least once, never lost; the
@@ -66,7 +75,7 @@ mod schema;
 use std::marker::PhantomData;
 
 pub use relay::{BatchReport, Relay, RelayOptions, RelayStats};
-pub use schema::OUTBOX_SCHEMA_VERSION;
+pub use schema::{OUTBOX_DEAD_SCHEMA_VERSION, OUTBOX_SCHEMA_VERSION};
 
 use crate::error::ConfigError;
 use crate::message::Headers;
@@ -210,6 +219,34 @@ impl OutboxEvent {
     }
 }
 
+/// A row the relay gave up on, as [`Outbox::dead_letters`] reads it from
+/// `{prefix}outbox_dead`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadEvent {
+    /// The row's `seq` in the outbox.
+    pub seq: i64,
+    /// The event id.
+    pub id: String,
+    /// The destination (`aggregatetype`).
+    pub destination: String,
+    /// The key (`aggregateid`).
+    pub key: String,
+    /// The event type (may be empty).
+    pub event_type: String,
+    /// The `headers` column as it was (JSON text, or NULL).
+    pub headers: Option<String>,
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// When it was enqueued (ms since the epoch).
+    pub created_at: i64,
+    /// Failed publishes, the last one included.
+    pub attempts: i64,
+    /// Why the relay gave up, with the last error.
+    pub reason: String,
+    /// When it was moved here (ms since the epoch).
+    pub dead_at: i64,
+}
+
 /// The outbox table of one database and table prefix: creates it and
 /// writes events into it inside the caller's transaction.
 ///
@@ -276,14 +313,22 @@ impl<DB: OutboxDatabase> Outbox<DB> {
         &self.statements.table
     }
 
+    /// The dead-letter table's name, `{prefix}outbox_dead`.
+    pub fn dead_table(&self) -> &str {
+        &self.statements.dead_table
+    }
+
     pub(crate) fn statements(&self) -> &Statements {
         &self.statements
     }
 
     /// Creates the outbox table (and on PostgreSQL the trigger that
-    /// notifies relays) if it does not exist, recording version
-    /// [`OUTBOX_SCHEMA_VERSION`] in `{prefix}schema_migrations`. Safe to run
-    /// concurrently and repeatedly; independent of the inbox's migrations.
+    /// notifies relays) and the dead-letter table `{prefix}outbox_dead` if
+    /// they do not exist, recording versions [`OUTBOX_SCHEMA_VERSION`] and
+    /// [`OUTBOX_DEAD_SCHEMA_VERSION`] in `{prefix}schema_migrations`; a
+    /// database migrated by an older version gets the missing step only.
+    /// Safe to run concurrently and repeatedly; independent of the inbox's
+    /// migrations.
     pub async fn migrate(&self, pool: &sqlx::Pool<DB>) -> Result<(), OutboxError> {
         let q = Queries::new(DB::DIALECT, &self.tables);
         let mut tx = pool.begin().await?;
@@ -293,16 +338,16 @@ impl<DB: OutboxDatabase> Outbox<DB> {
         let outcome: Result<(), sqlx::Error> = async {
             DB::execute(&mut *tx, &q.create_migrations_table, &[]).await?;
             let applied = DB::fetch_ints(&mut *tx, &q.applied_versions, &[]).await?;
-            if !applied.contains(&OUTBOX_SCHEMA_VERSION) {
-                for step in &self.statements.create {
+            for (version, steps) in &self.statements.migrations {
+                if applied.contains(version) {
+                    continue;
+                }
+                for step in steps {
                     DB::execute(&mut *tx, step, &[]).await?;
                 }
-                let binds = [
-                    Bind::Int(OUTBOX_SCHEMA_VERSION),
-                    Bind::Int(crate::store::now_ms()),
-                ];
+                let binds = [Bind::Int(*version), Bind::Int(crate::store::now_ms())];
                 DB::execute(&mut *tx, &q.record_version, &binds).await?;
-                tracing::info!(table = %self.statements.table, "created the outbox table");
+                tracing::info!(table = %self.statements.table, version, "applied an outbox schema migration");
             }
             Ok(())
         }
@@ -370,6 +415,20 @@ impl<DB: OutboxDatabase> Outbox<DB> {
             .increment(1);
         tracing::debug!(table = %self.statements.table, %id, destination = %event.destination, key = %event.key, "enqueued an outbox event");
         Ok(id)
+    }
+
+    /// The oldest `limit` rows of the dead-letter table, oldest first.
+    /// To publish one again, insert it into the outbox (it goes behind its
+    /// key's rows) and delete it here, in one transaction; see
+    /// `docs/outbox.md`.
+    pub async fn dead_letters(
+        &self,
+        pool: &sqlx::Pool<DB>,
+        limit: usize,
+    ) -> Result<Vec<DeadEvent>, OutboxError> {
+        let mut conn = pool.acquire().await?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        Ok(DB::fetch_dead(&mut *conn, &self.statements.dead_rows, &[Bind::Int(limit)]).await?)
     }
 
     /// How many rows wait in the outbox (unpublished, or published and not

@@ -13,6 +13,7 @@ use super::db::{Bind, RawRow};
 use super::{Outbox, OutboxDatabase, OutboxError, EVENT_ID_HEADER, EVENT_TYPE_HEADER};
 use crate::message::{Headers, Message};
 use crate::source::Publisher;
+use crate::SourceError;
 
 /// At most this many seqs go into one `IN (…)` list of a delete.
 const DELETE_CHUNK: usize = 500;
@@ -33,7 +34,17 @@ pub struct RelayOptions {
     pub initial_backoff: Duration,
     /// The longest backoff. Default 30 s.
     pub max_backoff: Duration,
-    /// Stop [`Relay::run`] when nothing was published for this long
+    /// Failed publishes of one row after which it is moved to the
+    /// dead-letter table `{prefix}outbox_dead` and its key's later rows go
+    /// on; `None` or `Some(0)`: retry forever, the key waiting. Counted per
+    /// row, across relays and restarts (the `attempts` column). Every
+    /// failure counts, a broker outage too (with the default backoffs 10
+    /// attempts span about 80 s), which is why the default is to wait:
+    /// an outage must not empty the outbox into the dead table. Errors a
+    /// retry cannot cure go to the dead table at the first attempt whatever
+    /// this is (see [`Relay`]). Default `None`.
+    pub max_attempts: Option<u32>,
+    /// Stop [`Relay::run`] when nothing was published (or dead-lettered) for this long
     /// (`None`: run until the shutdown future completes). Default `None`.
     pub idle_exit: Option<Duration>,
     /// PostgreSQL: `LISTEN` for inserts besides polling. Default `true`.
@@ -50,6 +61,7 @@ impl Default for RelayOptions {
             publish_timeout: Duration::from_secs(30),
             initial_backoff: Duration::from_millis(200),
             max_backoff: Duration::from_secs(30),
+            max_attempts: None,
             idle_exit: None,
             listen: true,
             name: "relay".to_owned(),
@@ -65,6 +77,13 @@ impl RelayOptions {
             .saturating_mul(factor)
             .min(self.max_backoff)
     }
+
+    /// Whether a row that has now failed `failures` times is given up.
+    fn exhausted(&self, failures: i64) -> bool {
+        self.max_attempts
+            .filter(|max| *max > 0)
+            .is_some_and(|max| failures >= i64::from(max))
+    }
 }
 
 /// What one batch did.
@@ -78,6 +97,9 @@ pub struct BatchReport {
     pub rows: usize,
     /// Rows published, confirmed and deleted.
     pub published: usize,
+    /// Rows moved to the dead-letter table (permanent error, or
+    /// [`max_attempts`](RelayOptions::max_attempts) reached).
+    pub dead: usize,
     /// Whether a publish failed (the row waits for its backoff).
     pub failed: bool,
 }
@@ -89,7 +111,9 @@ pub struct RelayStats {
     pub batches: u64,
     /// Rows published and deleted.
     pub published: u64,
-    /// Failed publishes.
+    /// Rows moved to the dead-letter table.
+    pub dead: u64,
+    /// Failed publishes that left the row for a retry.
     pub failures: u64,
 }
 
@@ -97,8 +121,8 @@ impl std::fmt::Display for RelayStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "published={} failures={} batches={}",
-            self.published, self.failures, self.batches
+            "published={} dead={} failures={} batches={}",
+            self.published, self.dead, self.failures, self.batches
         )
     }
 }
@@ -116,6 +140,16 @@ impl std::fmt::Display for RelayStats {
 /// commits. The batch stops at the first failed publish: that row gets a
 /// backoff, and its key's later rows wait behind it. Any number of relays
 /// may run on one table.
+///
+/// A row is given up — copied to `{prefix}outbox_dead` with the reason and
+/// deleted from the outbox in the batch's transaction, logged at error —
+/// when its publish has failed
+/// [`max_attempts`](RelayOptions::max_attempts) times, or at once when the
+/// failure is one a retry cannot cure: the publisher returned
+/// [`SourceError::Config`] (the way a [`Publisher`] says "never this
+/// message"), or the row's `headers` column is not a JSON object. The batch
+/// then goes on with the key's next row. Other publisher errors (broker,
+/// I/O, timeouts) are retried.
 ///
 /// ```no_run
 /// use std::sync::Arc;
@@ -271,14 +305,32 @@ impl<DB: OutboxDatabase> Relay<DB> {
         let rows = DB::fetch_rows(&mut *tx, &st.rows(locked.len()), &binds).await?;
         report.rows = rows.len();
 
-        let (published, failure) = self.publish(&rows).await;
-        let flushed = self.flush(&rows[..published.len()]).await;
+        let Outcome {
+            published,
+            dead,
+            failure,
+        } = self.publish(&rows).await;
+        let flushed = self.flush(&published).await;
         if let Err(e) = flushed {
             // Nothing is known to be stored: keep every row, publish again later.
             let _ = tx.rollback().await;
             return Err(e);
         }
-        for chunk in published.chunks(DELETE_CHUNK) {
+        for gone in &dead {
+            let binds = [
+                Bind::Int(gone.attempts),
+                Bind::Text(&gone.reason),
+                Bind::Int(now),
+                Bind::Int(gone.row.seq),
+            ];
+            DB::execute(&mut *tx, &st.dead_letter, &binds).await?;
+        }
+        let seqs: Vec<i64> = published
+            .iter()
+            .map(|r| r.seq)
+            .chain(dead.iter().map(|d| d.row.seq))
+            .collect();
+        for chunk in seqs.chunks(DELETE_CHUNK) {
             let binds: Vec<Bind<'_>> = chunk.iter().map(|s| Bind::Int(*s)).collect();
             DB::execute(&mut *tx, &st.delete(chunk.len()), &binds).await?;
         }
@@ -292,10 +344,25 @@ impl<DB: OutboxDatabase> Relay<DB> {
         tx.commit().await?;
 
         report.published = published.len();
+        report.dead = dead.len();
         report.failed = failure.is_some();
-        for row in &rows[..published.len()] {
+        for row in &published {
             metrics::counter!("idemq_outbox_published_total", "destination" => row.aggregatetype.clone())
                 .increment(1);
+        }
+        for gone in &dead {
+            metrics::counter!("idemq_outbox_dead_total", "destination" => gone.row.aggregatetype.clone())
+                .increment(1);
+            tracing::error!(
+                relay = %self.options.name,
+                id = %gone.row.id,
+                destination = %gone.row.aggregatetype,
+                key = %gone.row.aggregateid,
+                attempts = gone.attempts,
+                table = %st.dead_table,
+                reason = %gone.reason,
+                "outbox row given up and moved to the dead-letter table; the later rows of its key go on"
+            );
         }
         metrics::counter!("idemq_outbox_batches_total").increment(1);
         if let Some((row, error)) = &failure {
@@ -311,41 +378,67 @@ impl<DB: OutboxDatabase> Relay<DB> {
                 "outbox publish failed; the row and the later rows of its key wait for a retry"
             );
         }
-        tracing::debug!(relay = %self.options.name, published = report.published, locked_keys = report.locked_keys, "outbox batch committed");
+        tracing::debug!(relay = %self.options.name, published = report.published, dead = report.dead, locked_keys = report.locked_keys, "outbox batch committed");
         Ok(report)
     }
 
-    /// Publishes `rows` in order until the first failure; returns the seqs
-    /// published and the failed row with its error.
-    async fn publish<'r>(&self, rows: &'r [RawRow]) -> (Vec<i64>, Option<(&'r RawRow, String)>) {
-        let mut published = Vec::with_capacity(rows.len());
+    /// Publishes `rows` in order until the first failure that leaves its
+    /// row for a retry; rows given up on are set aside and the batch goes on.
+    async fn publish<'r>(&self, rows: &'r [RawRow]) -> Outcome<'r> {
+        let mut outcome = Outcome {
+            published: Vec::with_capacity(rows.len()),
+            dead: Vec::new(),
+            failure: None,
+        };
         for row in rows {
-            let Some(publisher) = self.publisher(&row.aggregatetype) else {
-                return (
-                    published,
-                    Some((row, "no publisher for the destination".into())),
-                );
-            };
-            let message = match message(row) {
-                Ok(m) => m,
-                Err(e) => return (published, Some((row, e))),
-            };
-            match tokio::time::timeout(self.options.publish_timeout, publisher.publish(&message))
-                .await
-            {
-                Ok(Ok(())) => published.push(row.seq),
-                Ok(Err(e)) => return (published, Some((row, e.to_string()))),
-                Err(_) => {
-                    let error = format!("not confirmed within {:?}", self.options.publish_timeout);
-                    return (published, Some((row, error)));
+            let (error, permanent) = match self.publish_one(row).await {
+                Ok(()) => {
+                    outcome.published.push(row);
+                    continue;
                 }
-            }
+                Err(failed) => failed,
+            };
+            let attempts = row.attempts.saturating_add(1);
+            let reason = if permanent {
+                format!("permanent publish error: {error}")
+            } else if self.options.exhausted(attempts) {
+                format!("gave up after {attempts} failed publishes: {error}")
+            } else {
+                outcome.failure = Some((row, error));
+                break;
+            };
+            outcome.dead.push(Dead {
+                row,
+                attempts,
+                reason,
+            });
         }
-        (published, None)
+        outcome
+    }
+
+    /// Publishes one row; a failure comes with whether it is permanent.
+    async fn publish_one(&self, row: &RawRow) -> Result<(), (String, bool)> {
+        let Some(publisher) = self.publisher(&row.aggregatetype) else {
+            // The relay's configuration, not the row: another relay may route it.
+            return Err(("no publisher for the destination".into(), false));
+        };
+        let message = message(row).map_err(|e| (e, true))?;
+        match tokio::time::timeout(self.options.publish_timeout, publisher.publish(&message)).await
+        {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => {
+                let permanent = matches!(e, SourceError::Config(_));
+                Err((e.to_string(), permanent))
+            }
+            Err(_) => Err((
+                format!("not confirmed within {:?}", self.options.publish_timeout),
+                false,
+            )),
+        }
     }
 
     /// Flushes every publisher that published one of `rows`.
-    async fn flush(&self, rows: &[RawRow]) -> Result<(), OutboxError> {
+    async fn flush(&self, rows: &[&RawRow]) -> Result<(), OutboxError> {
         let mut used: Vec<&Arc<dyn Publisher>> = Vec::new();
         for row in rows {
             if let Some(p) = self.publisher(&row.aggregatetype) {
@@ -400,17 +493,19 @@ impl<DB: OutboxDatabase> Relay<DB> {
             let wait = match self.relay_once().await {
                 Ok(report) => {
                     errors = 0;
-                    if report.published > 0 || report.failed {
+                    let progress = report.published > 0 || report.dead > 0;
+                    if progress || report.failed {
                         stats.batches += 1;
                     }
                     stats.published += report.published as u64;
-                    if report.published > 0 {
+                    stats.dead += report.dead as u64;
+                    if progress {
                         last_published = Instant::now();
                     }
                     if report.failed {
                         stats.failures += 1;
                         self.options.initial_backoff
-                    } else if report.published > 0 {
+                    } else if progress {
                         Duration::ZERO
                     } else if report.ready_keys > report.locked_keys {
                         // Keys held by other relays: look again soon.
@@ -449,6 +544,25 @@ impl<DB: OutboxDatabase> Relay<DB> {
         tracing::info!(relay = %self.options.name, %stats, "outbox relay stopped");
         Ok(stats)
     }
+}
+
+/// What the publishes of one batch did.
+struct Outcome<'r> {
+    /// Rows the broker accepted, in order.
+    published: Vec<&'r RawRow>,
+    /// Rows given up on.
+    dead: Vec<Dead<'r>>,
+    /// The row that failed and stays for a retry, with the error; the batch
+    /// stopped there.
+    failure: Option<(&'r RawRow, String)>,
+}
+
+/// A row given up on.
+struct Dead<'r> {
+    row: &'r RawRow,
+    /// Failed publishes, this one included.
+    attempts: i64,
+    reason: String,
 }
 
 /// Aborts the listener task when the run ends (or is dropped).
@@ -530,5 +644,15 @@ mod tests {
         assert_eq!(o.backoff(1), Duration::from_millis(200));
         assert_eq!(o.backoff(2), Duration::from_millis(400));
         assert_eq!(o.backoff(100), Duration::from_secs(30));
+    }
+
+    #[test]
+    fn attempts_run_out_only_with_a_limit() {
+        let mut o = RelayOptions::default();
+        assert!(!o.exhausted(9) && o.exhausted(10));
+        o.max_attempts = Some(0);
+        assert!(!o.exhausted(1_000));
+        o.max_attempts = None;
+        assert!(!o.exhausted(i64::MAX));
     }
 }

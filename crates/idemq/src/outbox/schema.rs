@@ -10,23 +10,41 @@ use crate::store::sql::Dialect;
 /// (outside the inbox's own range, so the two never collide).
 pub const OUTBOX_SCHEMA_VERSION: i64 = 1001;
 
+/// The schema version of the dead-letter table `{prefix}outbox_dead`, a
+/// later step than [`OUTBOX_SCHEMA_VERSION`]: migrating a database that has
+/// only the outbox table adds it and leaves the outbox as it is.
+pub const OUTBOX_DEAD_SCHEMA_VERSION: i64 = 1002;
+
 /// The columns the relay reads, in select order.
 pub(crate) const ROW_COLUMNS: &str =
     "seq, id, aggregatetype, aggregateid, type, headers, payload, attempts";
+
+/// The columns of the dead-letter table as [`Statements::dead_rows`] reads
+/// them, in select order.
+pub(crate) const DEAD_COLUMNS: &str =
+    "seq, id, aggregatetype, aggregateid, type, headers, payload, created_at, attempts, reason, dead_at";
 
 /// The rendered statements of one outbox table.
 #[derive(Debug, Clone)]
 pub(crate) struct Statements {
     pub dialect: Dialect,
     pub table: String,
+    /// The dead-letter table, `{table}_dead`.
+    pub dead_table: String,
     /// Binds: id, aggregatetype, aggregateid, type, payload, headers, created_at.
     pub insert: String,
     /// Binds: available_at, last_error, seq.
     pub fail: String,
+    /// Copies a row into the dead-letter table. Binds: attempts, reason,
+    /// dead_at, seq.
+    pub dead_letter: String,
+    /// The oldest dead rows. Binds: limit. Returns [`DEAD_COLUMNS`].
+    pub dead_rows: String,
     /// Returns the row count.
     pub count: String,
-    /// Creates the table, its index and (PostgreSQL) the NOTIFY trigger.
-    pub create: Vec<String>,
+    /// The versioned steps: the table, its index and (PostgreSQL) the
+    /// NOTIFY trigger; then the dead-letter table.
+    pub migrations: Vec<(i64, Vec<String>)>,
 }
 
 impl Statements {
@@ -38,14 +56,48 @@ impl Statements {
         let fail = format!(
             "UPDATE {table} SET attempts = attempts + 1, available_at = ?, last_error = ? WHERE seq = ?"
         );
-        Self {
+        let dead_table = format!("{table}_dead");
+        let dead_letter = format!(
+            "INSERT INTO {dead_table} (seq, id, aggregatetype, aggregateid, type, payload, headers, \
+             created_at, attempts, reason, dead_at) SELECT seq, id, aggregatetype, aggregateid, type, \
+             payload, headers, created_at, ?, ?, ? FROM {table} WHERE seq = ?"
+        );
+        let mut statements = Self {
             dialect,
             table: table.to_owned(),
+            dead_table: dead_table.clone(),
             insert: finish(dialect, insert),
             fail: finish(dialect, fail),
+            dead_letter: finish(dialect, dead_letter),
+            dead_rows: String::new(),
             count: format!("SELECT COUNT(*) FROM {table}"),
-            create: create(dialect, table),
-        }
+            migrations: vec![
+                (OUTBOX_SCHEMA_VERSION, create(dialect, table)),
+                (
+                    OUTBOX_DEAD_SCHEMA_VERSION,
+                    create_dead(dialect, &dead_table),
+                ),
+            ],
+        };
+        let columns = statements.columns(DEAD_COLUMNS);
+        statements.dead_rows = finish(
+            dialect,
+            format!("SELECT {columns} FROM {dead_table} ORDER BY dead_seq LIMIT ?"),
+        );
+        statements
+    }
+
+    /// `columns` (comma-separated) as the relay reads them: the key columns
+    /// through [`text`](Self::text).
+    fn columns(&self, columns: &str) -> String {
+        columns
+            .split(", ")
+            .map(|c| match c {
+                "aggregatetype" | "aggregateid" => self.text(c),
+                other => other.to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// A text column as the relay reads it: MySQL reports binary-collated
@@ -103,14 +155,7 @@ impl Statements {
     pub fn rows(&self, n: usize) -> String {
         let table = &self.table;
         let pairs = vec!["(aggregatetype = ? AND aggregateid = ?)"; n].join(" OR ");
-        let columns = ROW_COLUMNS
-            .split(", ")
-            .map(|c| match c {
-                "aggregatetype" | "aggregateid" => self.text(c),
-                other => other.to_owned(),
-            })
-            .collect::<Vec<_>>()
-            .join(", ");
+        let columns = self.columns(ROW_COLUMNS);
         finish(
             self.dialect,
             format!("SELECT {columns} FROM {table} WHERE {pairs} ORDER BY seq LIMIT ?"),
@@ -208,6 +253,44 @@ fn create(dialect: Dialect, table: &str) -> Vec<String> {
     }
 }
 
+/// The dead-letter table: the outbox row's columns (`seq` now a plain
+/// column, `id` no longer unique: an id may die twice), how many publishes
+/// failed, why the row was given up and when.
+fn create_dead(dialect: Dialect, dead: &str) -> Vec<String> {
+    match dialect {
+        Dialect::Postgres => vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {dead} (dead_seq BIGSERIAL PRIMARY KEY, \
+                 seq BIGINT NOT NULL, id VARCHAR(255) NOT NULL, aggregatetype VARCHAR(128) NOT NULL, \
+                 aggregateid VARCHAR(512) NOT NULL, type VARCHAR(255) NOT NULL DEFAULT '', \
+                 payload BYTEA NOT NULL, headers TEXT NULL, created_at BIGINT NOT NULL DEFAULT 0, \
+                 attempts BIGINT NOT NULL DEFAULT 0, reason TEXT NOT NULL, dead_at BIGINT NOT NULL)"
+            ),
+            format!("CREATE INDEX IF NOT EXISTS {dead}_id ON {dead} (id)"),
+        ],
+        Dialect::MySql => vec![format!(
+            "CREATE TABLE IF NOT EXISTS {dead} (dead_seq BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, \
+             seq BIGINT NOT NULL, id VARCHAR(255) NOT NULL, \
+             aggregatetype VARCHAR(128) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, \
+             aggregateid VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, \
+             type VARCHAR(255) NOT NULL DEFAULT '', payload LONGBLOB NOT NULL, headers TEXT NULL, \
+             created_at BIGINT NOT NULL DEFAULT 0, attempts BIGINT NOT NULL DEFAULT 0, \
+             reason TEXT NOT NULL, dead_at BIGINT NOT NULL, INDEX {dead}_id (id)) \
+             ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+        )],
+        Dialect::Sqlite => vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {dead} (dead_seq INTEGER PRIMARY KEY AUTOINCREMENT, \
+                 seq INTEGER NOT NULL, id TEXT NOT NULL, aggregatetype TEXT NOT NULL, \
+                 aggregateid TEXT NOT NULL, type TEXT NOT NULL DEFAULT '', payload BLOB NOT NULL, \
+                 headers TEXT NULL, created_at INTEGER NOT NULL DEFAULT 0, \
+                 attempts INTEGER NOT NULL DEFAULT 0, reason TEXT NOT NULL, dead_at INTEGER NOT NULL)"
+            ),
+            format!("CREATE INDEX IF NOT EXISTS {dead}_id ON {dead} (id)"),
+        ],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,5 +314,17 @@ mod tests {
         let l = Statements::new(Dialect::Sqlite, "x_outbox");
         assert!(!l.lock(1).contains("FOR UPDATE"));
         assert!(!l.heads(0).contains("WHERE aggregatetype"));
+        assert!(s
+            .dead_letter
+            .ends_with("$1, $2, $3 FROM x_outbox WHERE seq = $4"));
+        assert!(s
+            .dead_rows
+            .ends_with("FROM x_outbox_dead ORDER BY dead_seq LIMIT $1"));
+        assert!(m.dead_rows.contains("CONVERT(aggregatetype USING utf8mb4)"));
+        let versions: Vec<i64> = s.migrations.iter().map(|(v, _)| *v).collect();
+        assert_eq!(
+            versions,
+            [OUTBOX_SCHEMA_VERSION, OUTBOX_DEAD_SCHEMA_VERSION]
+        );
     }
 }
