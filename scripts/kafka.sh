@@ -14,13 +14,16 @@ PORT=9092
 LOG="$RUN/tansu.log"
 PIDFILE="$RUN/tansu.pid"
 
-# True when the pid file names a live tansu process (a pid left by a process
-# that died with an earlier session may be reused).
+# True when the pid file names a live process running the tansu executable
+# (a pid left by a process that died with an earlier session may have been
+# reused, even by a process whose command line says "tansu").
 alive() {
-  local pid
+  local pid exe
   [ -f "$PIDFILE" ] || return 1
   pid="$(cat "$PIDFILE")"
-  kill -0 "$pid" 2>/dev/null && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q tansu
+  exe="$(readlink "/proc/$pid/exe" 2>/dev/null)" || return 1
+  exe="${exe% (deleted)}"
+  [ "$(basename "$exe")" = tansu ]
 }
 
 listening() {
@@ -49,7 +52,8 @@ else
   # Tests use throwaway topics: start on an empty database, so state left by
   # a broker that was killed (a session or CI run ending) never matters and
   # never grows.
-  rm -f "$RUN"/tansu.db "$RUN"/tansu.db-*
+  rm -f "$RUN"/tansu.db "$RUN"/tansu.db-* "$PIDFILE"
+  [ -f "$LOG" ] && mv -f "$LOG" "$LOG.prev"
   echo "kafka: starting tansu on $HOST:$PORT (empty state; log in $RUN)"
   (
     cd "$RUN"
@@ -57,7 +61,7 @@ else
       --listener-url "tcp://$HOST:$PORT" \
       --advertised-listener-url "tcp://$HOST:$PORT" \
       --storage-engine sqlite://tansu.db \
-      >>"$LOG" 2>&1 </dev/null &
+      >"$LOG" 2>&1 </dev/null &
     echo $! >"$PIDFILE"
   )
 fi

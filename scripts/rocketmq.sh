@@ -85,13 +85,17 @@ NAMESRV_PID="$RUN/namesrv.pid"
 BROKER_LOG="$RUN/logs/broker.log"
 BROKER_PID="$RUN/broker.pid"
 
-# True when pid file $1 names a live process running a RocketMQ binary (a
-# pid left by a process that died with an earlier session may be reused).
+# True when pid file $1 names a live process whose executable is $2 (a pid
+# left by a process that died with an earlier session or CI run may have been
+# reused by another process, even by this script, whose command line also
+# says "rocketmq").
 alive() {
-  local pid
+  local pid exe
   [ -f "$1" ] || return 1
   pid="$(cat "$1")"
-  kill -0 "$pid" 2>/dev/null && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q rocketmq
+  exe="$(readlink "/proc/$pid/exe" 2>/dev/null)" || return 1
+  exe="${exe% (deleted)}"
+  [ "$(basename "$exe")" = "$(basename "$2")" ]
 }
 
 fail() {
@@ -100,17 +104,20 @@ fail() {
   tail -n 30 "$NAMESRV_LOG" >&2 2>/dev/null || true
   echo "--- the end of $BROKER_LOG:" >&2
   tail -n 30 "$BROKER_LOG" >&2 2>/dev/null || true
+  # Again last, where a truncated CI log still shows it.
+  echo "rocketmq: $1" >&2
   exit 1
 }
 
-# Waits until $1 answers, as long as the process in pid file $2 lives.
+# Waits until $1 answers, as long as the process in pid file $2 (running
+# executable $3) lives.
 wait_for() {
-  local port="$1" pidfile="$2" deadline=$((SECONDS + TIMEOUT_S))
+  local port="$1" pidfile="$2" bin="$3" deadline=$((SECONDS + TIMEOUT_S))
   while [ "$SECONDS" -lt "$deadline" ]; do
     if listening "$port"; then
       return 0
     fi
-    if ! alive "$pidfile"; then
+    if ! alive "$pidfile" "$bin"; then
       return 1
     fi
     sleep 0.5
@@ -118,53 +125,87 @@ wait_for() {
   return 1
 }
 
-if listening "$NAMESRV_PORT"; then
-  echo "rocketmq: the name server already answers on $HOST:$NAMESRV_PORT"
-else
-  if alive "$NAMESRV_PID"; then
+# Starts the name server (fresh log) unless it answers or is starting.
+start_namesrv() {
+  if listening "$NAMESRV_PORT"; then
+    echo "rocketmq: the name server already answers on $HOST:$NAMESRV_PORT"
+    return 0
+  fi
+  if alive "$NAMESRV_PID" "$NAMESRV"; then
     echo "rocketmq: the name server (pid $(cat "$NAMESRV_PID")) is running; waiting for its port"
   else
+    rm -f "$NAMESRV_PID"
+    [ -f "$NAMESRV_LOG" ] && mv -f "$NAMESRV_LOG" "$NAMESRV_LOG.prev"
     echo "rocketmq: starting the name server on $HOST:$NAMESRV_PORT (state and logs in $RUN)"
     (
       cd "$RUN"
       ROCKETMQ_HOME="$RUN" ROCKETMQ_SECURITY_PROFILE=development-insecure-loopback \
         setsid nohup "$NAMESRV" --rocketmqHome "$RUN" --listenPort "$NAMESRV_PORT" --bindAddress "$HOST" \
-        >>"$NAMESRV_LOG" 2>&1 </dev/null &
+        >"$NAMESRV_LOG" 2>&1 </dev/null &
       echo $! >"$NAMESRV_PID"
     )
   fi
-  wait_for "$NAMESRV_PORT" "$NAMESRV_PID" || fail "the name server does not listen on $HOST:$NAMESRV_PORT"
-fi
+  wait_for "$NAMESRV_PORT" "$NAMESRV_PID" "$NAMESRV"
+}
 
-REGISTER_WAIT=0
-if listening "$BROKER_PORT"; then
-  echo "rocketmq: the broker already answers on $HOST:$BROKER_PORT"
-else
-  if alive "$BROKER_PID"; then
+# Starts the broker on an empty store (fresh log) unless it answers or is
+# starting. Tests use throwaway topics, so nothing is lost: a store left by a
+# broker that was killed (a session or CI run ending) made the next start
+# fail in recovery ("Service lifecycle operation failed"), and it only grows.
+# The broker's default store (~/store) is wiped too, in case a version
+# ignores storePathRootDir.
+start_broker() {
+  if listening "$BROKER_PORT"; then
+    echo "rocketmq: the broker already answers on $HOST:$BROKER_PORT"
+    return 0
+  fi
+  if alive "$BROKER_PID" "$BROKER"; then
     echo "rocketmq: the broker (pid $(cat "$BROKER_PID")) is running; waiting for its port"
   else
-    # Tests use throwaway topics, so the broker starts on an empty store: a
-    # store left by a broker that was killed (a session or CI run ending)
-    # made the next start fail in recovery ("Service lifecycle operation
-    # failed"), and it only grows.
-    rm -rf "$RUN/store"
+    rm -f "$BROKER_PID"
+    rm -rf "$RUN/store" "$HOME/store"
     mkdir -p "$RUN/store"
+    [ -f "$BROKER_LOG" ] && mv -f "$BROKER_LOG" "$BROKER_LOG.prev"
     echo "rocketmq: starting the broker on $HOST:$BROKER_PORT (empty store)"
     (
       cd "$RUN"
       ROCKETMQ_HOME="$RUN" setsid nohup "$BROKER" -c "$RUN/conf/broker.toml" -n "$HOST:$NAMESRV_PORT" \
-        >>"$BROKER_LOG" 2>&1 </dev/null &
+        >"$BROKER_LOG" 2>&1 </dev/null &
       echo $! >"$BROKER_PID"
     )
   fi
-  wait_for "$BROKER_PORT" "$BROKER_PID" || fail "the broker does not listen on $HOST:$BROKER_PORT"
-  REGISTER_WAIT=5
-fi
+  wait_for "$BROKER_PORT" "$BROKER_PID" "$BROKER" || return 1
+  # The broker registers with the name server right after it starts
+  # listening (and every 30 s after); give the first registration a moment.
+  sleep 5
+}
 
-# The broker registers with the name server right after it starts listening
-# (and every 30 s after); give the first registration a moment.
-sleep "$REGISTER_WAIT"
-if ! listening "$NAMESRV_PORT" || ! listening "$BROKER_PORT"; then
-  fail "a server stopped answering"
-fi
-echo "rocketmq: name server $HOST:$NAMESRV_PORT and broker $HOST:$BROKER_PORT answer"
+# Stops whatever this script started (by pid file and executable).
+stop_all() {
+  local pidfile bin
+  for pair in "$BROKER_PID:$BROKER" "$NAMESRV_PID:$NAMESRV"; do
+    pidfile="${pair%%:*}"
+    bin="${pair#*:}"
+    if alive "$pidfile" "$bin"; then
+      kill -9 "$(cat "$pidfile")" 2>/dev/null || true
+    fi
+    rm -f "$pidfile"
+  done
+  sleep 1
+}
+
+# One retry from scratch: a first start on a machine restored from a
+# snapshot has failed in ways a clean second start did not.
+for try in 1 2; do
+  if start_namesrv && start_broker && listening "$NAMESRV_PORT" && listening "$BROKER_PORT"; then
+    echo "rocketmq: name server $HOST:$NAMESRV_PORT and broker $HOST:$BROKER_PORT answer"
+    exit 0
+  fi
+  if [ "$try" = 1 ]; then
+    echo "rocketmq: the servers did not come up; the ends of their logs, then one more try from scratch:" >&2
+    tail -n 15 "$NAMESRV_LOG" >&2 2>/dev/null || true
+    tail -n 15 "$BROKER_LOG" >&2 2>/dev/null || true
+    stop_all
+  fi
+done
+fail "the name server ($HOST:$NAMESRV_PORT) or the broker ($HOST:$BROKER_PORT) did not come up"

@@ -42,3 +42,16 @@ if ! (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null; then
   rabbitmq-server -detached || true
 fi
 wait_for RabbitMQ bash -c 'exec 3<>/dev/tcp/127.0.0.1/5672'
+
+if ! (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; then
+  echo "services: starting NATS (JetStream)"
+  start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- \
+    -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log || true
+fi
+wait_for NATS bash -c 'exec 3<>/dev/tcp/127.0.0.1/4222'
+
+if ! (exec 3<>/dev/tcp/127.0.0.1/1883) 2>/dev/null; then
+  echo "services: starting Mosquitto"
+  mosquitto -d -c /etc/mosquitto/mosquitto.conf || true
+fi
+wait_for Mosquitto bash -c 'exec 3<>/dev/tcp/127.0.0.1/1883'

@@ -305,7 +305,7 @@ fn apply_http_maps_each_status_class_and_never_calls_twice() {
     let run = fx.consume(&input, &args);
     assert_eq!(
         run.summary(),
-        "consumer web: processed=6 duplicate=1 conflict=0 retry_later=3 dead_lettered=2",
+        "consumer web: processed=6 duplicate=1 conflict=1 retry_later=3 dead_lettered=1",
         "{run:#?}"
     );
     let calls: BTreeMap<&str, usize> = [
@@ -363,8 +363,8 @@ fn apply_http_maps_each_status_class_and_never_calls_twice() {
     let dead = fx.dead_letters("web");
     assert_eq!(dead.len(), 2, "{dead:?}");
     let (reason, error) = &dead["reused-422"];
-    assert_eq!(reason, "permanent_failure");
-    assert!(error.contains("conflict: HTTP 422"), "{error}");
+    assert_eq!(reason, "conflict");
+    assert!(error.contains("HTTP 422"), "{error}");
     assert!(error.contains("key reused with another payload"), "{error}");
     let (reason, error) = &dead["bad-400"];
     assert_eq!(reason, "permanent_failure");
@@ -384,13 +384,28 @@ fn apply_http_maps_each_status_class_and_never_calls_twice() {
         fx.result("web", "slow"),
         json!({ "status": 200, "body": { "charged": "slow" } })
     );
+    // `inspect` shows the effect journal's entries of a key.
+    let journaled = |key: &str| {
+        idemq(
+            &fx.store,
+            &["inspect", "--consumer", "web", "--key", key, "--json"],
+        )
+        .ok()
+        .json()["effects"]
+            .clone()
+    };
+    assert_eq!(
+        journaled("ok-200"),
+        json!([{ "step": "http", "result": { "status": 200, "body": { "charged": "ok-200" } } }])
+    );
+    assert_eq!(journaled("bad-400"), json!([]));
 
     // The same file again: everything settled is a duplicate and is not
     // called; only the two dead letters (not in the inbox) are tried again.
     let run = fx.consume(&input, &args);
     assert_eq!(
         run.summary(),
-        "consumer web: processed=0 duplicate=7 conflict=0 retry_later=0 dead_lettered=2"
+        "consumer web: processed=0 duplicate=7 conflict=1 retry_later=0 dead_lettered=1"
     );
     assert_eq!(server.calls().len(), 13);
     for (key, n) in &calls {
@@ -401,6 +416,16 @@ fn apply_http_maps_each_status_class_and_never_calls_twice() {
     // A crash after the call was journaled and before the commit: the
     // redelivery is processed from the journal, without calling.
     fx.forget_commit("web", "ok-201");
+    let text = idemq(
+        &fx.store,
+        &["inspect", "--consumer", "web", "--key", "ok-201"],
+    )
+    .ok();
+    assert!(
+        text.stdout.contains("processed     no")
+            && text.stdout.contains("effects       1 journaled"),
+        "{text:?}"
+    );
     let one = fx.input("one.jsonl", &[HTTP_LINES[1]]);
     let run = fx.consume(&one, &args);
     assert_eq!(
@@ -496,7 +521,7 @@ esac"#
     let run = fx.consume(&input, &args);
     assert_eq!(
         run.summary(),
-        "consumer jobs: processed=5 duplicate=1 conflict=0 retry_later=3 dead_lettered=2",
+        "consumer jobs: processed=5 duplicate=1 conflict=1 retry_later=3 dead_lettered=1",
         "{run:#?}"
     );
     // The timed-out command's `sleep 10` was killed with its group.
@@ -539,11 +564,8 @@ esac"#
     let dead = fx.dead_letters("jobs");
     assert_eq!(dead.len(), 2, "{dead:?}");
     let (reason, error) = &dead["conflict"];
-    assert_eq!(reason, "permanent_failure");
-    assert!(
-        error.contains("conflict:") && error.contains("65"),
-        "{error}"
-    );
+    assert_eq!(reason, "conflict");
+    assert!(error.contains("exited with 65"), "{error}");
     assert!(error.contains("payload differs"), "{error}");
     let (reason, error) = &dead["broken"];
     assert_eq!(reason, "permanent_failure");
@@ -559,7 +581,7 @@ esac"#
     let run = fx.consume(&input, &args);
     assert_eq!(
         run.summary(),
-        "consumer jobs: processed=0 duplicate=6 conflict=0 retry_later=0 dead_lettered=2"
+        "consumer jobs: processed=0 duplicate=6 conflict=1 retry_later=0 dead_lettered=1"
     );
     assert_eq!(log().lines().count(), runs + 2);
     assert_eq!((count("conflict"), count("broken"), count("ok")), (2, 2, 1));

@@ -117,6 +117,14 @@ pub trait EffectJournal: Send + Sync {
         step: &str,
         result: &serde_json::Value,
     ) -> Result<serde_json::Value, StoreError>;
+
+    /// Every step journaled for `key` of `consumer`, with its result,
+    /// ordered by step name (for `idemq inspect`).
+    async fn steps(
+        &self,
+        consumer: &str,
+        key: &str,
+    ) -> Result<Vec<(String, serde_json::Value)>, StoreError>;
 }
 
 fn journal_error(step: &str, e: StoreError) -> HandlerError {

@@ -76,6 +76,12 @@ pub enum HandlerError {
     /// rule): rolled back and dead-lettered at once.
     #[error("permanent: {0}")]
     Permanent(String),
+    /// A downstream system refused the effect because the message's derived
+    /// idempotency key was used before with another payload (HTTP 422 under
+    /// the Idempotency-Key draft): rolled back and dead-lettered at once
+    /// with the reason `conflict`, like a conflict in idemq's own inbox.
+    #[error("conflict: {0}")]
+    Conflict(String),
 }
 
 impl HandlerError {
@@ -90,6 +96,11 @@ impl HandlerError {
     /// A permanent failure.
     pub fn permanent(message: impl std::fmt::Display) -> Self {
         HandlerError::Permanent(message.to_string())
+    }
+
+    /// A downstream conflict: the key was used before with another payload.
+    pub fn conflict(message: impl std::fmt::Display) -> Self {
+        HandlerError::Conflict(message.to_string())
     }
 
     /// Whether retrying can help.

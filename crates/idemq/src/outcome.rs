@@ -53,12 +53,19 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// The kind of outcome, for counting.
+    /// The kind of outcome, for counting. A message dead-lettered because a
+    /// downstream system reported a conflict
+    /// ([`HandlerError::Conflict`](crate::HandlerError::Conflict), e.g. HTTP
+    /// 422) counts as a [`OutcomeKind::Conflict`], like a conflict in the inbox.
     pub fn kind(&self) -> OutcomeKind {
         match self {
             Outcome::Processed { .. } => OutcomeKind::Processed,
             Outcome::Duplicate { .. } => OutcomeKind::Duplicate,
-            Outcome::Conflict { .. } => OutcomeKind::Conflict,
+            Outcome::Conflict { .. }
+            | Outcome::DeadLettered {
+                reason: DeadLetterReason::Conflict,
+                ..
+            } => OutcomeKind::Conflict,
             Outcome::RetryLater { .. } => OutcomeKind::RetryLater,
             Outcome::DeadLettered { .. } => OutcomeKind::DeadLettered,
         }
@@ -72,7 +79,8 @@ pub enum OutcomeKind {
     Processed,
     /// See [`Outcome::Duplicate`].
     Duplicate,
-    /// See [`Outcome::Conflict`].
+    /// See [`Outcome::Conflict`]; also a downstream conflict, dead-lettered
+    /// with the reason `conflict`.
     Conflict,
     /// See [`Outcome::RetryLater`].
     RetryLater,

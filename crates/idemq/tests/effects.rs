@@ -1,6 +1,6 @@
-#![cfg(all(feature = "sqlite", feature = "postgres"))]
+#![cfg(all(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 //! Effects outside the database: `ctx.effect` and derived idempotency keys,
-//! on SQLite, PostgreSQL, the memory store and (feature `redis`) Redis.
+//! on SQLite, PostgreSQL, MariaDB, the memory store and (feature `redis`) Redis.
 //!
 //! The "provider" is an in-process payment API that deduplicates by
 //! idempotency key and counts its calls. Each scenario runs the same handler
@@ -19,6 +19,7 @@ use futures_util::future::BoxFuture;
 use idemq::effect::idempotency_key;
 use idemq::source::queue::MemoryQueue;
 use idemq::store::memory::MemoryStore;
+use idemq::store::sql::mysql::MySqlStore;
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::sql::sqlite::SqliteStore;
 use idemq::store::sql::SqlOptions;
@@ -308,85 +309,62 @@ impl Env for Memory {
     }
 }
 
-struct Sqlite {
-    store: SqliteStore,
-    _dir: tempfile::TempDir,
-}
-
-type SqliteTx = sqlx::Transaction<'static, sqlx::Sqlite>;
-
-impl Env for Sqlite {
-    type S = SqliteStore;
-    fn store(&self) -> SqliteStore {
-        self.store.clone()
-    }
-    fn write() -> Write<SqliteTx> {
-        |tx, consumer, key, charge| {
-            Box::pin(async move {
-                sqlx::query(&format!(
-                    "INSERT INTO {LEDGER} (consumer, msg_key, charge) VALUES (?, ?, ?)"
-                ))
-                .bind(consumer)
-                .bind(key)
-                .bind(charge)
-                .execute(&mut **tx)
-                .await?;
-                Ok(())
-            })
+/// A SQL store under test: the store (and whatever must outlive it, such as
+/// SQLite's directory), with the ledger written through the claim's
+/// transaction. `$p` numbers the placeholders (`$1`…) or not (`?`).
+macro_rules! sql_env {
+    ($name:ident, $store:ty, $db:ty, [$p1:literal, $p2:literal, $p3:literal]) => {
+        struct $name<Keep: Send + Sync + 'static> {
+            store: $store,
+            _keep: Keep,
         }
-    }
-    fn ledger<'a>(&'a self, consumer: &'a str) -> BoxFuture<'a, Option<Vec<(String, String)>>> {
-        Box::pin(async move {
-            let sql =
-                format!("SELECT msg_key, charge FROM {LEDGER} WHERE consumer = ? ORDER BY msg_key");
-            Some(
-                sqlx::query_as(&sql)
-                    .bind(consumer)
-                    .fetch_all(self.store.pool())
-                    .await
-                    .unwrap(),
-            )
-        })
-    }
-}
 
-struct Postgres(PostgresStore);
-
-impl Env for Postgres {
-    type S = PostgresStore;
-    fn store(&self) -> PostgresStore {
-        self.0.clone()
-    }
-    fn write() -> Write<support::PgTx> {
-        |tx, consumer, key, charge| {
-            Box::pin(async move {
-                sqlx::query(&format!(
-                    "INSERT INTO {LEDGER} (consumer, msg_key, charge) VALUES ($1, $2, $3)"
-                ))
-                .bind(consumer)
-                .bind(key)
-                .bind(charge)
-                .execute(&mut **tx)
-                .await?;
-                Ok(())
-            })
+        impl<Keep: Send + Sync + 'static> Env for $name<Keep> {
+            type S = $store;
+            fn store(&self) -> $store {
+                self.store.clone()
+            }
+            fn write() -> Write<sqlx::Transaction<'static, $db>> {
+                |tx, consumer, key, charge| {
+                    Box::pin(async move {
+                        sqlx::query(&format!(
+                            "INSERT INTO {LEDGER} (consumer, msg_key, charge) VALUES ({}, {}, {})",
+                            $p1, $p2, $p3
+                        ))
+                        .bind(consumer)
+                        .bind(key)
+                        .bind(charge)
+                        .execute(&mut **tx)
+                        .await?;
+                        Ok(())
+                    })
+                }
+            }
+            fn ledger<'a>(
+                &'a self,
+                consumer: &'a str,
+            ) -> BoxFuture<'a, Option<Vec<(String, String)>>> {
+                Box::pin(async move {
+                    let sql = format!(
+                        "SELECT msg_key, charge FROM {LEDGER} WHERE consumer = {} ORDER BY msg_key",
+                        $p1
+                    );
+                    Some(
+                        sqlx::query_as(&sql)
+                            .bind(consumer)
+                            .fetch_all(self.store.pool())
+                            .await
+                            .unwrap(),
+                    )
+                })
+            }
         }
-    }
-    fn ledger<'a>(&'a self, consumer: &'a str) -> BoxFuture<'a, Option<Vec<(String, String)>>> {
-        Box::pin(async move {
-            let sql = format!(
-                "SELECT msg_key, charge FROM {LEDGER} WHERE consumer = $1 ORDER BY msg_key"
-            );
-            Some(
-                sqlx::query_as(&sql)
-                    .bind(consumer)
-                    .fetch_all(self.0.pool())
-                    .await
-                    .unwrap(),
-            )
-        })
-    }
+    };
 }
+
+sql_env!(Sqlite, SqliteStore, sqlx::Sqlite, ["?", "?", "?"]);
+sql_env!(Postgres, PostgresStore, sqlx::Postgres, ["$1", "$2", "$3"]);
+sql_env!(MySql, MySqlStore, sqlx::MySql, ["?", "?", "?"]);
 
 #[tokio::test]
 async fn effects_on_the_memory_store() {
@@ -400,41 +378,52 @@ async fn effects_on_sqlite() {
     let store = SqliteStore::connect(&url).await.unwrap();
     store.migrate().await.unwrap();
     sqlx::query(LEDGER_DDL).execute(store.pool()).await.unwrap();
-    let env = Sqlite { store, _dir: dir };
+    let env = Sqlite { store, _keep: dir };
     all_scenarios(&env).await;
     // The journal lives in a file of its own next to the main one.
-    assert!(env._dir.path().join("fx.db-effects").exists());
+    assert!(env._keep.path().join("fx.db-effects").exists());
 }
 
-#[tokio::test]
-async fn effects_on_postgres() {
-    let prefix = format!("{}_", support::unique("fx"));
-    let store = PostgresStore::connect_with(
-        &support::postgres_url(),
-        SqlOptions::default().table_prefix(&prefix),
-    )
-    .await
-    .unwrap();
-    store.migrate().await.unwrap();
-    // Concurrent runs may race to create the shared ledger table.
-    let _ = sqlx::query(LEDGER_DDL).execute(store.pool()).await;
-    let env = Postgres(store);
-    all_scenarios(&env).await;
-    let t = env.0.tables().clone();
-    for table in [
-        &t.inbox,
-        &t.attempts,
-        &t.dead_letters,
-        &t.migrations,
-        &t.offsets,
-        &t.effects,
-    ] {
-        sqlx::query(&format!("DROP TABLE IF EXISTS {table}"))
-            .execute(env.0.pool())
-            .await
-            .unwrap();
-    }
+/// Runs every scenario on a server database under a fresh table prefix,
+/// then drops its tables.
+macro_rules! server_effects_test {
+    ($test:ident, $env:ident, $store:ty, $url:expr) => {
+        #[tokio::test]
+        async fn $test() {
+            let prefix = format!("{}_", support::unique("fx"));
+            let store = <$store>::connect_with(&$url, SqlOptions::default().table_prefix(&prefix))
+                .await
+                .unwrap();
+            store.migrate().await.unwrap();
+            // Concurrent runs may race to create the shared ledger table.
+            let _ = sqlx::query(LEDGER_DDL).execute(store.pool()).await;
+            let env = $env { store, _keep: () };
+            all_scenarios(&env).await;
+            let t = env.store.tables().clone();
+            for table in [
+                &t.inbox,
+                &t.attempts,
+                &t.dead_letters,
+                &t.migrations,
+                &t.offsets,
+                &t.effects,
+            ] {
+                sqlx::query(&format!("DROP TABLE IF EXISTS {table}"))
+                    .execute(env.store.pool())
+                    .await
+                    .unwrap();
+            }
+        }
+    };
 }
+
+server_effects_test!(
+    effects_on_postgres,
+    Postgres,
+    PostgresStore,
+    support::postgres_url()
+);
+server_effects_test!(effects_on_mysql, MySql, MySqlStore, support::mysql_url());
 
 #[cfg(feature = "redis")]
 #[tokio::test]

@@ -17,10 +17,20 @@ pub async fn run<B: Backend>(store: &B, args: &InspectArgs) -> Result<ExitCode> 
         .inspect(&args.consumer, &args.key)
         .await
         .map_err(|e| super::admin_error(e, "inspecting the key"))?;
+    // The effect journal: external calls made for the key (they may exist
+    // without an inbox row when the transaction after them did not commit).
+    let effects = match store.journal() {
+        Some(journal) => journal
+            .steps(&args.consumer, &args.key)
+            .await
+            .map_err(|e| super::admin_error(e, "reading the effect journal"))?,
+        None => Vec::new(),
+    };
     let found = report.inbox.is_some()
         || report.in_flight
         || report.attempts.is_some()
-        || !report.dead_letters.is_empty();
+        || !report.dead_letters.is_empty()
+        || !effects.is_empty();
     if args.json {
         println!(
             "{}",
@@ -32,10 +42,14 @@ pub async fn run<B: Backend>(store: &B, args: &InspectArgs) -> Result<ExitCode> 
                 "inbox": report.inbox.as_ref().map(inbox_json),
                 "attempts": report.attempts.as_ref().map(attempts_json),
                 "dead_letters": report.dead_letters.iter().map(dead_letter_json).collect::<Vec<_>>(),
+                "effects": effects
+                    .iter()
+                    .map(|(step, result)| json!({ "step": step, "result": result }))
+                    .collect::<Vec<_>>(),
             })
         );
     } else if found {
-        print!("{}", render(args, &report));
+        print!("{}", render(args, &report, &effects));
     } else {
         eprintln!(
             "idemq: key {:?} is unknown to consumer {:?}",
@@ -50,7 +64,11 @@ pub async fn run<B: Backend>(store: &B, args: &InspectArgs) -> Result<ExitCode> 
 }
 
 /// The text report.
-fn render(args: &InspectArgs, report: &KeyReport) -> String {
+fn render(
+    args: &InspectArgs,
+    report: &KeyReport,
+    effects: &[(String, serde_json::Value)],
+) -> String {
     let mut out = format!("consumer {:?}, key {:?}\n", args.consumer, args.key);
     match &report.inbox {
         Some(r) => {
@@ -76,6 +94,14 @@ fn render(args: &InspectArgs, report: &KeyReport) -> String {
             cell(&a.last_error, 200)
         ));
     }
+    if !effects.is_empty() {
+        out.push_str(&format!("  effects       {} journaled\n", effects.len()));
+        let mut table = Table::new(&["STEP", "RESULT"]);
+        for (step, result) in effects {
+            table.row(vec![cell(step, 60), cell(&result.to_string(), 160)]);
+        }
+        push_indented(&mut out, &table);
+    }
     if report.dead_letters.is_empty() {
         out.push_str("  dead letters  none\n");
     } else {
@@ -90,11 +116,16 @@ fn render(args: &InspectArgs, report: &KeyReport) -> String {
                 cell(&d.error, 120),
             ]);
         }
-        for line in table.to_string().lines() {
-            out.push_str("    ");
-            out.push_str(line);
-            out.push('\n');
-        }
+        push_indented(&mut out, &table);
     }
     out
+}
+
+/// Appends `table` to `out`, each line indented under its heading.
+fn push_indented(out: &mut String, table: &Table) {
+    for line in table.to_string().lines() {
+        out.push_str("    ");
+        out.push_str(line);
+        out.push('\n');
+    }
 }

@@ -18,7 +18,7 @@
 //! |---|---|---|
 //! | 0 | 2xx | processed; stdout is the stored result (JSON if it parses, else text, `null` if empty) |
 //! | 75 (EX_TEMPFAIL), 69 (EX_UNAVAILABLE) | 409, 503 | retried with backoff |
-//! | 65 (EX_DATAERR) | 422 | dead letter (`permanent_failure`, error starting `conflict:`) |
+//! | 65 (EX_DATAERR) | 422 | conflict: dead letter with the reason `conflict`, counted as `conflict` |
 //! | any other code | other 4xx | dead letter (`permanent_failure`) with the code and the end of stderr |
 //! | killed by a signal, `--exec-timeout` passed, could not start | timeout, connection error | retried with backoff |
 //!
@@ -186,8 +186,8 @@ fn classify(status: ExitStatus, out: &[u8], err: &[u8]) -> Result<serde_json::Va
                 "EX_UNAVAILABLE"
             }
         ))),
-        Some(EX_DATAERR) => Err(HandlerError::permanent(format!(
-            "conflict: the command exited with {EX_DATAERR} (EX_DATAERR){tail}"
+        Some(EX_DATAERR) => Err(HandlerError::conflict(format!(
+            "the command exited with {EX_DATAERR} (EX_DATAERR){tail}"
         ))),
         Some(code) => Err(HandlerError::permanent(format!(
             "the command exited with {code}{tail}"
@@ -238,11 +238,9 @@ mod tests {
         assert!(classify(code(75), b"", b"").unwrap_err().is_retryable());
         assert!(classify(code(69), b"", b"").unwrap_err().is_retryable());
         let conflict = classify(code(65), b"", b"other payload").unwrap_err();
-        assert!(!conflict.is_retryable());
         assert!(
-            conflict.to_string().contains("conflict:")
-                && conflict.to_string().contains("other payload"),
-            "{conflict}"
+            matches!(&conflict, HandlerError::Conflict(text) if text.contains("other payload")),
+            "{conflict:?}"
         );
         let broken = classify(code(3), b"", b"no such account\n").unwrap_err();
         assert!(!broken.is_retryable());

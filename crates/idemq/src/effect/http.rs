@@ -32,7 +32,7 @@
 //! |---|---|---|
 //! | 2xx | done | `Ok(`[`StoredResponse`]`)`: the status and the body (JSON if it parses, else a string, `null` if empty), journaled |
 //! | 409 Conflict | a request with this key is still being processed (the draft's "in flight") | [`HandlerError::Retryable`], after `Retry-After` if given |
-//! | 422 Unprocessable Content | the key was used before with another payload | [`HandlerError::Permanent`] whose message starts with `conflict:` (dead-lettered) |
+//! | 422 Unprocessable Content | the key was used before with another payload | [`HandlerError::Conflict`] (dead-lettered with the reason `conflict`, counted as a conflict) |
 //! | 408, 429, 5xx | transient | [`HandlerError::Retryable`], after `Retry-After` if given, else the policy's backoff |
 //! | timeout, connection refused or reset, body cut off | transient | [`HandlerError::Retryable`] |
 //! | any other status (other 4xx, 1xx, an unfollowed 3xx) | the request is wrong | [`HandlerError::Permanent`] with the status and the body (first [`MAX_REASON_BODY`] bytes) |
@@ -235,8 +235,8 @@ pub fn classify(
         409 => retryable(format!(
             "HTTP 409: a request with this Idempotency-Key is still in flight at the provider{detail}"
         )),
-        422 => HandlerError::permanent(format!(
-            "conflict: HTTP 422: the provider says this Idempotency-Key was used before with \
+        422 => HandlerError::conflict(format!(
+            "HTTP 422: the provider says this Idempotency-Key was used before with \
              another payload{detail}"
         )),
         408 | 429 | 500..=599 => retryable(format!("HTTP {status}{detail}")),
@@ -413,11 +413,11 @@ mod tests {
             other => panic!("{other:?}"),
         }
         let reused = classify(StatusCode::UNPROCESSABLE_ENTITY, &none, b"key reused").unwrap_err();
-        assert!(!reused.is_retryable());
         assert!(
-            reused.to_string().contains("conflict: HTTP 422"),
-            "{reused}"
+            matches!(&reused, HandlerError::Conflict(text) if text.starts_with("HTTP 422")),
+            "{reused:?}"
         );
+        assert!(!reused.is_retryable());
         assert!(reused.to_string().contains("key reused"), "{reused}");
         for status in [500, 502, 503, 504, 408, 429] {
             let err = classify(StatusCode::from_u16(status).unwrap(), &none, b"").unwrap_err();

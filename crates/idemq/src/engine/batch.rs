@@ -268,6 +268,39 @@ impl<S: Store> Consumer<S> {
 
     /// Answers the followers from their leaders' outcomes, then settles
     /// every delivery in order and returns the outcomes.
+    /// Gives the leaders that did not commit their outcomes: those over the
+    /// delivery limit are dead-lettered, those whose handler failed are
+    /// counted and retried or dead-lettered (both outside the transaction).
+    pub(super) async fn settle_failed_leaders(
+        &self,
+        items: &mut [Item],
+        leaders: &[(usize, String, String)],
+        limited: Vec<(usize, String)>,
+        failures: Vec<(usize, HandlerError)>,
+    ) {
+        for (n, error) in limited {
+            let (index, key, _) = &leaders[n];
+            let item = &items[*index];
+            let outcome = self
+                .dead_letter_with(
+                    Some(key),
+                    DeadLetterReason::DeliveryLimit,
+                    &error,
+                    &item.message,
+                    &item.meta,
+                    0,
+                )
+                .await;
+            items[*index].outcome = Some(outcome);
+        }
+        for (n, error) in failures {
+            let (index, key, _) = &leaders[n];
+            let item = &items[*index];
+            let outcome = self.failed(key, error, &item.message, &item.meta).await;
+            items[*index].outcome = Some(outcome);
+        }
+    }
+
     pub(super) async fn finish_batch(
         &self,
         mut items: Vec<Item>,
@@ -534,27 +567,8 @@ impl<S: BatchStore> Consumer<S> {
                 result,
             });
         }
-        for (n, error) in limited {
-            let (index, key, _) = &leaders[n];
-            let item = &items[*index];
-            let outcome = self
-                .dead_letter_with(
-                    Some(key),
-                    DeadLetterReason::DeliveryLimit,
-                    &error,
-                    &item.message,
-                    &item.meta,
-                    0,
-                )
-                .await;
-            items[*index].outcome = Some(outcome);
-        }
-        for (n, error) in failures {
-            let (index, key, _) = &leaders[n];
-            let item = &items[*index];
-            let outcome = self.failed(key, error, &item.message, &item.meta).await;
-            items[*index].outcome = Some(outcome);
-        }
+        self.settle_failed_leaders(items, leaders, limited, failures)
+            .await;
         // Leaders that never ran because the transaction broke before them.
         for (index, key, _) in leaders {
             if items[*index].outcome.is_none() {

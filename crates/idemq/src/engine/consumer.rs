@@ -528,6 +528,17 @@ impl<S: Store> Consumer<S> {
     ) -> Outcome {
         let inner = &*self.inner;
         match error {
+            HandlerError::Conflict(text) => {
+                self.dead_letter_with(
+                    Some(key),
+                    DeadLetterReason::Conflict,
+                    &text,
+                    message,
+                    meta,
+                    1,
+                )
+                .await
+            }
             HandlerError::Permanent(text) => {
                 self.dead_letter_with(
                     Some(key),

@@ -37,7 +37,7 @@ use crate::error::{HandlerError, StoreError};
 use crate::outcome::Outcome;
 use crate::policy::InFlightPolicy;
 use crate::source::Delivery;
-use crate::store::{Claim, ClaimRequest, DeadLetterReason, LeaseBatchStore, LeaseCompletion};
+use crate::store::{Claim, ClaimRequest, LeaseBatchStore, LeaseCompletion};
 
 /// The Redis store runs batches through the lease path.
 #[cfg(feature = "redis")]
@@ -215,27 +215,8 @@ impl<S: LeaseBatchStore> Consumer<S> {
                 }
             }
         }
-        for (n, error) in limited {
-            let (index, key, _) = &leaders[n];
-            let item = &items[*index];
-            let outcome = self
-                .dead_letter_with(
-                    Some(key),
-                    DeadLetterReason::DeliveryLimit,
-                    &error,
-                    &item.message,
-                    &item.meta,
-                    0,
-                )
-                .await;
-            items[*index].outcome = Some(outcome);
-        }
-        for (n, error) in failures {
-            let (index, key, _) = &leaders[n];
-            let item = &items[*index];
-            let outcome = self.failed(key, error, &item.message, &item.meta).await;
-            items[*index].outcome = Some(outcome);
-        }
+        self.settle_failed_leaders(items, leaders, limited, failures)
+            .await;
         led
     }
 }

@@ -54,6 +54,9 @@ struct State {
     keys: HashMap<(String, String), Entry>,
     attempts: HashMap<(String, String), AttemptRecord>,
     dead_letters: BTreeMap<i64, DeadLetterRecord>,
+    /// Letter id ([`DeadLetter::letter_id`]) → dead letter id: one letter
+    /// per dead-lettered message.
+    letters: HashMap<String, i64>,
     next_dead_letter_id: i64,
     next_token: u64,
     /// The effect journal: (consumer, key, step) → (result, written at ms).
@@ -196,9 +199,14 @@ impl Store for MemoryStore {
     }
 
     async fn dead_letter(&self, letter: &DeadLetter<'_>) -> Result<(), StoreError> {
+        let letter_id = letter.letter_id();
         let mut state = self.state();
+        if state.letters.contains_key(&letter_id) {
+            return Ok(());
+        }
         state.next_dead_letter_id += 1;
         let id = state.next_dead_letter_id;
+        state.letters.insert(letter_id, id);
         state.dead_letters.insert(
             id,
             DeadLetterRecord {
@@ -251,6 +259,22 @@ impl EffectJournal for MemoryStore {
             .entry(id)
             .or_insert_with(|| (result.clone(), now_ms()));
         Ok(stored.clone())
+    }
+
+    async fn steps(
+        &self,
+        consumer: &str,
+        key: &str,
+    ) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        let mut steps: Vec<(String, serde_json::Value)> = self
+            .state()
+            .effects
+            .iter()
+            .filter(|((c, k, _), _)| c == consumer && k == key)
+            .map(|((_, _, step), (value, _))| (step.clone(), value.clone()))
+            .collect();
+        steps.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(steps)
     }
 }
 
@@ -364,7 +388,9 @@ impl StoreAdmin for MemoryStore {
     }
 
     async fn delete_dead_letter(&self, id: i64) -> Result<bool, StoreError> {
-        Ok(self.state().dead_letters.remove(&id).is_some())
+        let mut state = self.state();
+        state.letters.retain(|_, letter| *letter != id);
+        Ok(state.dead_letters.remove(&id).is_some())
     }
 
     async fn release(&self, consumer: &str, key: &str) -> Result<bool, StoreError> {

@@ -131,6 +131,38 @@ pub struct DeadLetter<'a> {
     pub attempts: u32,
 }
 
+impl DeadLetter<'_> {
+    /// Identifies the dead-lettered message: SHA-256 (hex) over the
+    /// consumer, the key, the message id, the transport key, where it came
+    /// from (source, topic, partition, offset) and the payload. A message
+    /// that is dead-lettered again because it came back (the consumer died
+    /// after writing the letter and before the ack) gets the same id, and
+    /// every store keeps one letter per id.
+    pub fn letter_id(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let mut hash = Sha256::new();
+        let mut field = |bytes: Option<&[u8]>| match bytes {
+            Some(b) => {
+                hash.update((b.len() as u64).to_be_bytes());
+                hash.update(b);
+            }
+            None => hash.update(u64::MAX.to_be_bytes()),
+        };
+        field(Some(self.consumer.as_bytes()));
+        field(self.key.map(str::as_bytes));
+        field(self.message.id.as_deref().map(str::as_bytes));
+        field(self.message.key.as_deref().map(str::as_bytes));
+        field(Some(self.meta.source.as_bytes()));
+        field(self.meta.topic.as_deref().map(str::as_bytes));
+        let partition = self.meta.partition.map(|p| i64::from(p).to_be_bytes());
+        field(partition.as_ref().map(|b| &b[..]));
+        let offset = self.meta.offset.map(i64::to_be_bytes);
+        field(offset.as_ref().map(|b| &b[..]));
+        field(Some(&Sha256::digest(&self.message.payload)[..]));
+        hex::encode(hash.finalize())
+    }
+}
+
 /// A dead letter as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeadLetterRecord {

@@ -409,20 +409,34 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return n
 "#;
 
+/// KEYS: seq, data, ids, consumer's ids, letters (letter id → id),
+/// letter_of (id → letter id)[, key's ids]; ARGV: the letter's JSON, its
+/// letter id. A letter id stored already returns the stored id and writes
+/// nothing (one letter per dead-lettered message).
 const DEAD_LETTER: &str = r#"
+local seen = redis.call('HGET', KEYS[5], ARGV[2])
+if seen then return tonumber(seen) end
 local id = redis.call('INCR', KEYS[1])
 redis.call('HSET', KEYS[2], id, ARGV[1])
 redis.call('ZADD', KEYS[3], id, id)
 redis.call('ZADD', KEYS[4], id, id)
-if KEYS[5] then redis.call('ZADD', KEYS[5], id, id) end
+redis.call('HSET', KEYS[5], ARGV[2], id)
+redis.call('HSET', KEYS[6], id, ARGV[2])
+if KEYS[7] then redis.call('ZADD', KEYS[7], id, id) end
 return id
 "#;
 
+/// KEYS: data, ids, consumer's ids, letters, letter_of[, key's ids]; ARGV: id.
 const DELETE_DEAD_LETTER: &str = r#"
 if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-if KEYS[4] then redis.call('ZREM', KEYS[4], ARGV[1]) end
+local letter = redis.call('HGET', KEYS[5], ARGV[1])
+if letter then
+  redis.call('HDEL', KEYS[4], letter)
+  redis.call('HDEL', KEYS[5], ARGV[1])
+end
+if KEYS[6] then redis.call('ZREM', KEYS[6], ARGV[1]) end
 return 1
 "#;
 
@@ -1047,12 +1061,15 @@ impl Store for RedisStore {
             .key(self.keys.dlq("seq"))
             .key(self.keys.dlq("data"))
             .key(self.keys.dlq("ids"))
-            .key(self.keys.dlq_consumer(letter.consumer));
+            .key(self.keys.dlq_consumer(letter.consumer))
+            .key(self.keys.dlq("letters"))
+            .key(self.keys.dlq("letter_of"));
         if let Some(key) = letter.key {
             invocation.key(self.keys.dlq_key(letter.consumer, key));
         }
         let _id: i64 = invocation
             .arg(json)
+            .arg(letter.letter_id())
             .invoke_async(&mut self.conn())
             .await
             .map_err(map_err)?;
@@ -1118,6 +1135,22 @@ impl EffectJournal for RedisStore {
                 "effect {step:?} of key {key:?}: the journal entry vanished after writing it"
             ))
         })
+    }
+
+    async fn steps(
+        &self,
+        consumer: &str,
+        key: &str,
+    ) -> Result<Vec<(String, serde_json::Value)>, StoreError> {
+        let entries: Vec<(String, String)> = self
+            .query(redis::cmd("HGETALL").arg(self.keys.scoped(consumer, key, "fx")))
+            .await?;
+        let mut steps: Vec<(String, serde_json::Value)> = entries
+            .into_iter()
+            .map(|(step, text)| (step, parse_result(Some(text)).unwrap_or_default()))
+            .collect();
+        steps.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(steps)
     }
 }
 
@@ -1279,7 +1312,9 @@ impl StoreAdmin for RedisStore {
         invocation
             .key(self.keys.dlq("data"))
             .key(self.keys.dlq("ids"))
-            .key(self.keys.dlq_consumer(&record.consumer));
+            .key(self.keys.dlq_consumer(&record.consumer))
+            .key(self.keys.dlq("letters"))
+            .key(self.keys.dlq("letter_of"));
         if let Some(key) = &record.key {
             invocation.key(self.keys.dlq_key(&record.consumer, key));
         }

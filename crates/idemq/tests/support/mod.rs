@@ -33,6 +33,11 @@ pub fn postgres_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
+/// The MariaDB/MySQL URL of the tests (`IDEMQ_TEST_MYSQL`).
+pub fn mysql_url() -> String {
+    std::env::var("IDEMQ_TEST_MYSQL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
 /// A name unique to this process and call, for tables, topics, queues and groups.
 pub fn unique(name: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);

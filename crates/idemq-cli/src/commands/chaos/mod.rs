@@ -885,9 +885,9 @@ async fn check(
         let copies = dead.len() - poison_letters - orders.len();
         if copies > 0 {
             cell.notes.push(format!(
-                "{copies} extra dead-letter rows for poison messages: a poison message read \
-                 again (by another worker of a file, or redelivered after a kill before its ack) \
-                 is dead-lettered again; dead letters are at least once (documented)"
+                "{copies} extra dead-letter rows for poison messages: the same poison message \
+                 from another origin (another worker's copy of a file, another producer \
+                 copy) is another letter; a redelivery of one delivery keeps one letter"
             ));
         }
     }

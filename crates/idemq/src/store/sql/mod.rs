@@ -478,6 +478,7 @@ macro_rules! sql_store {
                     .bind(i64::from(letter.meta.delivery_count))
                     .bind(i64::from(letter.attempts))
                     .bind($crate::store::now_ms())
+                    .bind(letter.letter_id())
                     .execute(&mut *tx)
                     .await
                     .map_err(store_error)?;
@@ -545,6 +546,31 @@ macro_rules! sql_store {
                         "effect {step:?} of key {key:?}: the journal row is not visible after writing it"
                     ))
                 })
+            }
+
+            async fn steps(
+                &self,
+                consumer: &str,
+                key: &str,
+            ) -> Result<Vec<(String, serde_json::Value)>, $crate::StoreError> {
+                use sqlx::Row;
+                let pool = self.journal_pool().await?;
+                let rows = sqlx::query(&self.queries.effect_steps)
+                    .bind(consumer)
+                    .bind(key)
+                    .fetch_all(pool)
+                    .await
+                    .map_err($crate::store::sql::store_error)?;
+                rows.iter()
+                    .map(|r| {
+                        let step: String = r.try_get(0)?;
+                        let text: String = r.try_get(1)?;
+                        let value = $crate::store::parse_result(Some(text))
+                            .unwrap_or(serde_json::Value::Null);
+                        Ok((step, value))
+                    })
+                    .collect::<Result<Vec<_>, sqlx::Error>>()
+                    .map_err($crate::store::sql::store_error)
             }
         }
 
@@ -716,14 +742,21 @@ macro_rules! sql_store {
                     .and_then(|row| row.map(|r| r.try_get::<i64, _>(0)).transpose())
                     .map_err(store_error)?;
                 if next_offset.is_none() {
+                    // Create the row outside this transaction, then lock it
+                    // in a new one: on MySQL/MariaDB the locking read of a
+                    // missing row holds a gap lock, and two first claims
+                    // (of different partitions) inserting under their gap
+                    // locks deadlock each other.
+                    tx.rollback().await.map_err(store_error)?;
                     sqlx::query(&self.queries.offset_ensure)
                         .bind(consumer)
                         .bind(topic)
                         .bind(partition)
                         .bind($crate::store::now_ms())
-                        .execute(&mut *tx)
+                        .execute(&self.pool)
                         .await
                         .map_err(store_error)?;
+                    tx = self.pool.begin().await.map_err(store_error)?;
                     next_offset = sqlx::query(&self.queries.offset_lock)
                         .bind(consumer)
                         .bind(topic)

@@ -92,7 +92,9 @@ pub struct Queries {
     pub attempt_upsert: String,
     /// Binds: consumer, key. Returns attempts, last_error, first_failed_at, last_failed_at.
     pub attempt_select: String,
-    /// Binds the 15 dead-letter columns in [`DEAD_LETTER_COLUMNS`] order (without id).
+    /// Binds the 15 dead-letter columns in [`DEAD_LETTER_COLUMNS`] order
+    /// (without id), then `letter_id`; a letter whose `letter_id` is stored
+    /// already is not written again.
     pub dead_letter_insert: String,
     /// Binds: cutoff_ms, limit.
     pub prune_inbox: String,
@@ -136,6 +138,8 @@ pub struct Queries {
     pub effect_get: String,
     /// Binds: consumer, key, step, result_json, created_at. Keeps the first row.
     pub effect_put: String,
+    /// Binds: consumer, key. Every step of the key with its result, by step.
+    pub effect_steps: String,
     /// Binds: cutoff_ms, limit.
     pub prune_effects: String,
     /// Creates the effect journal table (migration v3; on SQLite run in the
@@ -265,7 +269,7 @@ impl Queries {
             }))
             .collect::<Vec<_>>()
             .join(", ");
-        let dl_placeholders = vec!["?"; DEAD_LETTER_COLUMNS.len()].join(", ");
+        let dl_placeholders = vec!["?"; DEAD_LETTER_COLUMNS.len() + 1].join(", ");
 
         let claim = match dialect {
             Dialect::MySql => format!(
@@ -324,10 +328,17 @@ impl Queries {
                 "SELECT attempts, last_error, first_failed_at, last_failed_at FROM {attempts} \
                  WHERE consumer = ? AND msg_key = ?"
             ),
-            dead_letter_insert: format!(
-                "INSERT INTO {dead} ({}) VALUES ({dl_placeholders})",
-                DEAD_LETTER_COLUMNS.join(", ")
-            ),
+            dead_letter_insert: match dialect {
+                Dialect::MySql => format!(
+                    "INSERT IGNORE INTO {dead} ({}, letter_id) VALUES ({dl_placeholders})",
+                    DEAD_LETTER_COLUMNS.join(", ")
+                ),
+                _ => format!(
+                    "INSERT INTO {dead} ({}, letter_id) VALUES ({dl_placeholders}) \
+                     ON CONFLICT DO NOTHING",
+                    DEAD_LETTER_COLUMNS.join(", ")
+                ),
+            },
             prune_inbox: prune(inbox, "created_at"),
             prune_attempts: prune(attempts, "last_failed_at"),
             stats_inbox: format!(
@@ -376,6 +387,7 @@ impl Queries {
                         _ => schema_v3(dialect, tables),
                     },
                 ),
+                (4, schema_v4(dialect, tables)),
             ],
             offset_ensure: match dialect {
                 Dialect::MySql => format!(
@@ -410,6 +422,10 @@ impl Queries {
             ),
             effect_get: format!(
                 "SELECT result_json FROM {} WHERE consumer = ? AND msg_key = ? AND step = ?",
+                tables.effects
+            ),
+            effect_steps: format!(
+                "SELECT step, result_json FROM {} WHERE consumer = ? AND msg_key = ? ORDER BY step",
                 tables.effects
             ),
             effect_put: match dialect {
@@ -457,6 +473,7 @@ impl Queries {
             &mut self.offset_advance,
             &mut self.effect_get,
             &mut self.effect_put,
+            &mut self.effect_steps,
             &mut self.prune_effects,
         ] {
             *sql = number_placeholders(sql);
@@ -480,6 +497,26 @@ fn number_placeholders(sql: &str) -> String {
         }
     }
     out
+}
+
+/// Version 4: one dead letter per dead-lettered message. `letter_id` is
+/// [`DeadLetter::letter_id`](crate::store::DeadLetter::letter_id); rows
+/// written before v4 have none (NULLs never collide in a unique index).
+fn schema_v4(dialect: Dialect, tables: &Tables) -> Vec<String> {
+    let dead = &tables.dead_letters;
+    let index = format!("{dead}_letter_id");
+    match dialect {
+        // One statement: MySQL commits DDL at once, so a half-applied
+        // version cannot be left behind.
+        Dialect::MySql => vec![format!(
+            "ALTER TABLE {dead} ADD COLUMN letter_id VARCHAR(64) NULL, \
+             ADD UNIQUE INDEX {index} (letter_id)"
+        )],
+        _ => vec![
+            format!("ALTER TABLE {dead} ADD COLUMN letter_id VARCHAR(64) NULL"),
+            format!("CREATE UNIQUE INDEX IF NOT EXISTS {index} ON {dead} (letter_id)"),
+        ],
+    }
 }
 
 /// Version 3: the effect journal. Step names are at most 128 bytes, which
