@@ -9,6 +9,9 @@
 #   scripts/chaos.sh --full     every source × every store (32 cells)
 #   scripts/chaos.sh --cells 'jsonl:sqlite amqp:redis'   chosen cells
 #
+# Four cells also restart their database or broker once mid-run (see
+# restart_args; CHAOS_RESTARTS=0 turns that off).
+#
 # Environment: CHAOS_MESSAGES (2000), CHAOS_KILLS (20), CHAOS_WORKERS (3),
 # CHAOS_ARGS (extra `idemq chaos` flags), CHAOS_BIN (a prebuilt binary), CHAOS_DIR (work directory, default
 # a new one under /tmp), CHAOS_REPORT (the Markdown table, default
@@ -74,6 +77,20 @@ source_args() {
   esac
 }
 
+# Per cell: the database or broker restarts of the short and full matrix
+# (CHAOS_RESTARTS=0 turns them off): PostgreSQL under the JSON-lines cell,
+# MariaDB under the RabbitMQ cell, NATS and RabbitMQ under their PostgreSQL
+# cells. Redis is never restarted (it keeps nothing on disk here).
+restart_args() {
+  [ "${CHAOS_RESTARTS:-1}" = 1 ] || return 0
+  case "$1" in
+    jsonl:postgres) echo "--restart-db" "scripts/restart-service.sh postgres" ;;
+    amqp:mysql) echo "--restart-db" "scripts/restart-service.sh mariadb" ;;
+    nats:postgres) echo "--restart-broker" "scripts/restart-service.sh nats" ;;
+    amqp:postgres) echo "--restart-broker" "scripts/restart-service.sh rabbitmq" ;;
+  esac
+}
+
 store_url() {
   case "$1" in
     sqlite) echo "sqlite://$DIR/chaos.db" ;;
@@ -107,10 +124,15 @@ for cell in $cells; do
   msgs="$MESSAGES"
   if [ "$so" = sqs ]; then msgs="${CHAOS_SQS_MESSAGES:-300}"; fi
   t0=$(date +%s)
+  restart=()
+  case "$(restart_args "$cell")" in
+    "") ;;
+    *) read -r flag cmd <<<"$(restart_args "$cell")"; restart=("$flag" "$cmd") ;;
+  esac
   # shellcheck disable=SC2086
   "$BIN" --store "$store" chaos --source "$src" --messages "$msgs" \
     --kills "$KILLS" --workers "$WORKERS" --work-dir "$DIR" --report "$REPORT" \
-    $(source_args "$so") ${CHAOS_ARGS:-}
+    $(source_args "$so") "${restart[@]}" ${CHAOS_ARGS:-}
   code=$?
   echo "chaos: cell $so × $st: exit $code in $(( $(date +%s) - t0 )) s"
   if [ $code -ne 0 ]; then
