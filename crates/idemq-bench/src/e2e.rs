@@ -1,12 +1,16 @@
 //! End to end into PostgreSQL: a JSON-lines file, and each reachable broker
-//! (RabbitMQ, Kafka), through the real sources and the same ledger consumer
-//! as the PostgreSQL per-message row.
+//! (RabbitMQ, Kafka, NATS JetStream, Redis Streams, MQTT, SQS, RocketMQ),
+//! through the real sources and the same ledger consumer as the PostgreSQL
+//! per-message row.
 //!
 //! The JSON-lines rows are timed from the start of the run to the end of the
 //! file. Broker rows publish all messages first (untimed) and are timed from
 //! the first processed message to the last, so that connecting and a
-//! consumer-group join are not counted: they are the steady-state rate.
+//! consumer-group join are not counted: they are the steady-state rate. Every
+//! broker round goes through [`steady_round`]; a broker differs only in how
+//! it connects, where its source subscribes, and what it cleans up.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -14,6 +18,11 @@ use std::time::{Duration, Instant};
 use idemq::source::amqp::{AmqpConfig, AmqpPublisher, AmqpSource};
 use idemq::source::jsonl::JsonLinesSource;
 use idemq::source::kafka::{create_topic, KafkaConfig, KafkaPublisher, KafkaSource};
+use idemq::source::mqtt::{MqttConfig, MqttPublisher, MqttSource};
+use idemq::source::nats::{NatsConfig, NatsPublisher, NatsSource};
+use idemq::source::redis_stream::{RedisStreamConfig, RedisStreamPublisher, RedisStreamSource};
+use idemq::source::rocketmq::{RocketMqConfig, RocketMqPublisher, RocketMqSource};
+use idemq::source::sqs::{SqsConfig, SqsPublisher, SqsSource};
 use idemq::source::{Publisher, Source};
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::sql::SqlOptions;
@@ -27,6 +36,14 @@ use crate::{payments, progress, rate, Config};
 const SECTION: &str = "End to end → PostgreSQL";
 /// The longest one broker measurement may take before the row is given up.
 const BROKER_LIMIT: Duration = Duration::from_secs(180);
+/// The longest connecting a publisher or a source may take.
+const CONNECT_LIMIT: Duration = Duration::from_secs(30);
+/// How long the first publish of a round is retried: a broker may still be
+/// registering a topic it creates on first use (RocketMQ).
+const FIRST_PUBLISH_LIMIT: Duration = Duration::from_secs(30);
+/// Mosquitto keeps at most 1 000 queued messages per session by default
+/// (`max_queued_messages`) and drops the rest, so the MQTT rows publish at most this many.
+const MQTT_QUEUE: u64 = 1_000;
 
 /// Counts processed outcomes; marks the first and the `n`-th.
 struct Clock {
@@ -71,10 +88,46 @@ impl Clock {
     }
 }
 
-/// Publishes `n` fresh payments, up to 64 at once, and flushes.
+/// The ledger every end-to-end row writes, with the run's settings.
+struct Ledger<'a> {
+    cfg: &'a Config,
+    store: &'a PostgresStore,
+    table: &'a str,
+}
+
+/// Awaits `step` for at most `limit`; an error or the timeout names `what`.
+async fn within<T, E: Into<anyhow::Error>>(
+    limit: Duration,
+    what: &str,
+    step: impl Future<Output = Result<T, E>>,
+) -> anyhow::Result<T> {
+    tokio::time::timeout(limit, step)
+        .await
+        .map_err(|_| anyhow::anyhow!("{what} timed out after {limit:?}"))?
+        .map_err(|e| e.into().context(what.to_owned()))
+}
+
+/// Publishes `n` fresh payments, up to 64 at once, and flushes. The first
+/// one goes alone and is retried for up to [`FIRST_PUBLISH_LIMIT`].
 async fn publish_all<P: Publisher + 'static>(publisher: Arc<P>, n: u64) -> anyhow::Result<()> {
+    let mut messages = payments(n).into_iter();
+    if let Some(first) = messages.next() {
+        let deadline = Instant::now() + FIRST_PUBLISH_LIMIT;
+        let mut retried = false;
+        while let Err(e) = publisher.publish(&first).await {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the first publish failed for {FIRST_PUBLISH_LIMIT:?}: {e}"
+            );
+            if !retried {
+                progress!("e2e: the first publish failed, retrying for up to {FIRST_PUBLISH_LIMIT:?}: {e}");
+                retried = true;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
     let mut set = tokio::task::JoinSet::new();
-    for message in payments(n) {
+    for message in messages {
         if set.len() >= 64 {
             if let Some(r) = set.join_next().await {
                 r??;
@@ -91,37 +144,31 @@ async fn publish_all<P: Publisher + 'static>(publisher: Arc<P>, n: u64) -> anyho
 }
 
 /// Runs the ledger consumer over `source` until `n` messages are processed.
-async fn consume(
-    cfg: &Config,
-    store: &PostgresStore,
-    ledger: &str,
-    source: impl Source,
-    n: u64,
-) -> anyhow::Result<f64> {
+async fn consume(ledger: &Ledger<'_>, source: impl Source, n: u64) -> anyhow::Result<f64> {
     let clock = Clock::new(n);
     let observer = Arc::clone(&clock);
-    let consumer =
-        postgres::consumer_with(store, ledger, cfg.concurrency, move |o| observer.observe(o))?;
+    let consumer = postgres::consumer_with(
+        ledger.store,
+        ledger.table,
+        ledger.cfg.concurrency,
+        move |o| observer.observe(o),
+    )?;
     let waiter = Arc::clone(&clock);
     let run = consumer.run_until(source, async move { waiter.done.notified().await });
-    tokio::time::timeout(BROKER_LIMIT, run)
-        .await
-        .map_err(|_| anyhow::anyhow!("timed out after {BROKER_LIMIT:?}"))??;
-    let rows = postgres::ledger_rows(store.pool(), ledger).await?;
+    if let Err(e) = within(BROKER_LIMIT, "consuming", run).await {
+        let processed = clock.processed.load(Ordering::SeqCst);
+        return Err(e.context(format!("{processed} of {n} messages processed")));
+    }
+    let rows = postgres::ledger_rows(ledger.store.pool(), ledger.table).await?;
     anyhow::ensure!(rows == n as i64, "{rows} ledger rows after {n} messages");
     clock
         .steady_rate()
         .ok_or_else(|| anyhow::anyhow!("fewer than {n} messages were processed"))
 }
 
-async fn jsonl_round(
-    cfg: &Config,
-    store: &PostgresStore,
-    ledger: &str,
-    path: &std::path::Path,
-) -> anyhow::Result<f64> {
-    let n = cfg.e2e_messages;
-    let consumer = postgres::consumer(store, ledger, cfg.concurrency)?;
+async fn jsonl_round(ledger: &Ledger<'_>, path: &std::path::Path) -> anyhow::Result<f64> {
+    let n = ledger.cfg.e2e_messages;
+    let consumer = postgres::consumer(ledger.store, ledger.table, ledger.cfg.concurrency)?;
     let started = Instant::now();
     let summary = consumer.run(JsonLinesSource::open(path).await?).await?;
     let elapsed = started.elapsed();
@@ -132,49 +179,323 @@ async fn jsonl_round(
     Ok(rate(n, elapsed))
 }
 
-async fn amqp_round(
-    cfg: &Config,
-    store: &PostgresStore,
-    ledger: &str,
-    round: usize,
-) -> anyhow::Result<f64> {
-    let queue = format!("idemq_bench_{}_{round}", std::process::id());
-    let config = AmqpConfig::from_url(&format!("{}?queue={queue}", cfg.amqp))?;
-    let publisher = Arc::new(
-        tokio::time::timeout(
-            Duration::from_secs(5),
-            AmqpPublisher::connect(config.clone()),
-        )
-        .await
-        .map_err(|_| anyhow::anyhow!("connecting timed out"))??,
-    );
+/// When a broker's source connects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Subscribe {
+    /// After everything is published: the consumer starts on a full backlog.
+    After,
+    /// Before publishing: the broker keeps only what arrives once the
+    /// subscription exists (MQTT). The source does not run until everything
+    /// is published; the broker holds the backlog for it.
+    Before,
+}
+
+/// One steady-state broker round: connects the publisher, publishes `n`
+/// fresh payments (untimed), connects the source (before or after
+/// publishing), and times the ledger consumer from the first processed
+/// message to the last. `publisher` and `source` are not started until this
+/// awaits them; `cleanup` runs once the publisher is connected, whatever
+/// happens after.
+async fn steady_round<P, S, C, PE, SE>(
+    ledger: &Ledger<'_>,
+    n: u64,
+    publisher: impl Future<Output = Result<P, PE>>,
+    source: impl Future<Output = Result<S, SE>>,
+    subscribe: Subscribe,
+    cleanup: impl FnOnce(Arc<P>) -> C,
+) -> anyhow::Result<f64>
+where
+    P: Publisher + 'static,
+    S: Source,
+    C: Future<Output = ()>,
+    PE: Into<anyhow::Error>,
+    SE: Into<anyhow::Error>,
+{
+    let publisher = Arc::new(within(CONNECT_LIMIT, "connecting the publisher", publisher).await?);
     let result = async {
-        publish_all(Arc::clone(&publisher), cfg.e2e_messages).await?;
-        let source = AmqpSource::connect(config.clone()).await?;
-        consume(cfg, store, ledger, source, cfg.e2e_messages).await
+        let publish = within(
+            BROKER_LIMIT,
+            "publishing",
+            publish_all(Arc::clone(&publisher), n),
+        );
+        let source = if subscribe == Subscribe::Before {
+            let source = within(CONNECT_LIMIT, "connecting the source", source).await?;
+            publish.await?;
+            source
+        } else {
+            publish.await?;
+            within(CONNECT_LIMIT, "connecting the source", source).await?
+        };
+        consume(ledger, source, n).await
     }
     .await;
-    let _ = publisher.delete_topology().await;
+    cleanup(publisher).await;
     result
 }
 
-async fn kafka_round(
-    cfg: &Config,
-    store: &PostgresStore,
-    ledger: &str,
-    round: usize,
-) -> anyhow::Result<f64> {
-    let topic = format!("idemq_bench_{}_{round}", std::process::id());
-    tokio::time::timeout(Duration::from_secs(15), create_topic(&cfg.kafka, &topic, 3))
-        .await
-        .map_err(|_| anyhow::anyhow!("creating the topic timed out"))??;
-    let publisher = Arc::new(KafkaPublisher::connect(&cfg.kafka, &topic).await?);
-    tokio::time::timeout(BROKER_LIMIT, publish_all(publisher, cfg.e2e_messages))
-        .await
-        .map_err(|_| anyhow::anyhow!("publishing timed out"))??;
-    let source =
-        KafkaSource::connect(KafkaConfig::new(&cfg.kafka, &topic, format!("{topic}_g"))).await?;
-    consume(cfg, store, ledger, source, cfg.e2e_messages).await
+/// A broker with a source in the library.
+#[derive(Debug, Clone, Copy)]
+enum Broker {
+    RabbitMq,
+    Kafka,
+    Nats,
+    RedisStreams,
+    Mqtt,
+    Sqs,
+    RocketMq,
+}
+
+impl Broker {
+    /// Every broker, in the order of the table.
+    const ALL: [Broker; 7] = [
+        Broker::RabbitMq,
+        Broker::Kafka,
+        Broker::Nats,
+        Broker::RedisStreams,
+        Broker::Mqtt,
+        Broker::Sqs,
+        Broker::RocketMq,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Broker::RabbitMq => "RabbitMQ",
+            Broker::Kafka => "Kafka",
+            Broker::Nats => "NATS JetStream",
+            Broker::RedisStreams => "Redis Streams",
+            Broker::Mqtt => "MQTT",
+            Broker::Sqs => "SQS",
+            Broker::RocketMq => "RocketMQ",
+        }
+    }
+
+    /// Messages per measurement.
+    fn messages(self, cfg: &Config) -> u64 {
+        match self {
+            Broker::Mqtt => cfg.e2e_messages.min(MQTT_QUEUE),
+            Broker::Sqs => cfg.sqs_messages,
+            _ => cfg.e2e_messages,
+        }
+    }
+
+    /// The row's measurement column.
+    fn label(self, cfg: &Config) -> String {
+        let (what, setting) = match self {
+            Broker::RabbitMq => ("RabbitMQ queue", Some("prefetch 32")),
+            Broker::Kafka => ("Kafka topic (3 partitions)", None),
+            Broker::Nats => ("NATS JetStream pull consumer", Some("batch 10")),
+            Broker::RedisStreams => ("Redis stream, consumer group", Some("count 10")),
+            Broker::Mqtt => ("MQTT 5 topic, QoS 1", None),
+            Broker::Sqs => ("SQS queue on moto", Some("batch 10")),
+            Broker::RocketMq => ("RocketMQ topic, push consumer", None),
+        };
+        let setting = setting.map_or_else(String::new, |s| format!("{s}, "));
+        format!(
+            "{what} → PostgreSQL ({setting}concurrency {}), steady state",
+            cfg.concurrency
+        )
+    }
+
+    /// A note printed under the table when the row is measured.
+    fn note(self, cfg: &Config) -> Option<String> {
+        match self {
+            Broker::Sqs => Some(format!(
+                "- SQS → PostgreSQL: {} messages per round (`--sqs-messages`), not {}: moto, \
+                 the local SQS used here, answers tens of requests per second, so the row \
+                 measures moto more than idemq.",
+                cfg.sqs_messages, cfg.e2e_messages
+            )),
+            Broker::Mqtt if cfg.e2e_messages > MQTT_QUEUE => Some(format!(
+                "- MQTT → PostgreSQL: {MQTT_QUEUE} messages per round, not {}: Mosquitto \
+                 queues at most {MQTT_QUEUE} messages per session by default \
+                 (`max_queued_messages`) and drops the rest.",
+                cfg.e2e_messages
+            )),
+            _ => None,
+        }
+    }
+
+    /// One round over fresh broker objects called `name`.
+    async fn round(self, ledger: &Ledger<'_>, name: String) -> anyhow::Result<f64> {
+        let cfg = ledger.cfg;
+        let n = self.messages(cfg);
+        let group = format!("{name}_g");
+        match self {
+            Broker::RabbitMq => {
+                let config = AmqpConfig::from_url(&format!("{}?queue={name}", cfg.amqp))?;
+                let source = AmqpSource::connect(config.clone());
+                let publisher = AmqpPublisher::connect(config);
+                steady_round(
+                    ledger,
+                    n,
+                    publisher,
+                    source,
+                    Subscribe::After,
+                    |p| async move {
+                        cleaned(&name, p.delete_topology().await);
+                    },
+                )
+                .await
+            }
+            Broker::Kafka => {
+                let publisher = async {
+                    create_topic(&cfg.kafka, &name, 3).await?;
+                    KafkaPublisher::connect(&cfg.kafka, &name).await
+                };
+                let source = KafkaSource::connect(KafkaConfig::new(&cfg.kafka, &name, group));
+                steady_round(ledger, n, publisher, source, Subscribe::After, |_| async {}).await
+            }
+            Broker::Nats => {
+                let config = NatsConfig::new(&name, group)
+                    .server(&cfg.nats)
+                    .subject(format!("{name}.in"))
+                    .create(true);
+                let source = NatsSource::connect(config.clone());
+                steady_round(
+                    ledger,
+                    n,
+                    NatsPublisher::connect(config),
+                    source,
+                    Subscribe::After,
+                    |p| async move {
+                        cleaned(&name, p.jetstream().delete_stream(&name).await);
+                    },
+                )
+                .await
+            }
+            Broker::RedisStreams => {
+                let config = RedisStreamConfig::new(&cfg.redis, &name, group);
+                let source = RedisStreamSource::connect(config.clone());
+                let publisher = RedisStreamPublisher::connect(&config);
+                steady_round(ledger, n, publisher, source, Subscribe::After, |_| {
+                    delete_redis_key(&cfg.redis, &name)
+                })
+                .await
+            }
+            Broker::Mqtt => {
+                // A persistent session that expires a minute after the round.
+                let config = MqttConfig::from_url(&format!(
+                    "{}/idemq_bench/{name}?client_id={name}&session_expiry=60s",
+                    cfg.mqtt
+                ))?;
+                let source = MqttSource::connect(config.clone());
+                let publisher = MqttPublisher::connect(&config);
+                steady_round(ledger, n, publisher, source, Subscribe::Before, |_| async {
+                })
+                .await
+            }
+            Broker::Sqs => {
+                let config = SqsConfig::new(&name)
+                    .endpoint(&cfg.sqs)
+                    .region("us-east-1")
+                    .create_queue(true);
+                let source = SqsSource::connect(config.clone());
+                let publisher = SqsPublisher::connect(config.clone());
+                steady_round(
+                    ledger,
+                    n,
+                    publisher,
+                    source,
+                    Subscribe::After,
+                    |p| async move {
+                        if let Ok(client) = config.client() {
+                            cleaned(
+                                &name,
+                                client.delete_queue().queue_url(p.queue_url()).send().await,
+                            );
+                        }
+                    },
+                )
+                .await
+            }
+            Broker::RocketMq => {
+                let config = RocketMqConfig::new(&cfg.rocketmq, &name, group);
+                let source = RocketMqSource::connect(config);
+                let publisher = RocketMqPublisher::connect(&cfg.rocketmq, &name);
+                steady_round(ledger, n, publisher, source, Subscribe::After, |_| async {}).await
+            }
+        }
+    }
+}
+
+/// Reports a failed cleanup of the broker objects called `name`.
+fn cleaned<T, E: std::fmt::Display>(name: &str, result: Result<T, E>) {
+    if let Err(e) = result {
+        progress!("e2e: could not delete {name}: {e}");
+    }
+}
+
+/// Deletes the stream `key` (and with it its consumer groups).
+async fn delete_redis_key(url: &str, key: &str) {
+    let deleted = async {
+        let mut conn = redis::Client::open(url)?
+            .get_multiplexed_async_connection()
+            .await?;
+        redis::cmd("DEL")
+            .arg(key)
+            .query_async::<i64>(&mut conn)
+            .await
+    };
+    cleaned(key, deleted.await);
+}
+
+/// The rows of every broker that answers; a round that fails on its first
+/// try marks the broker unavailable (a note instead of a row).
+async fn broker_rows(
+    ledger: &Ledger<'_>,
+    pg_bare: Option<f64>,
+    rows: &mut Vec<Row>,
+    notes: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    let cfg = ledger.cfg;
+    for broker in Broker::ALL {
+        let name = broker.name();
+        let mut values = Vec::new();
+        let mut skipped = None;
+        for r in 0..cfg.rounds {
+            postgres::clear(ledger.store, ledger.table).await?;
+            let unique = format!(
+                "idemq_bench_{}_{r}_{}",
+                std::process::id(),
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            );
+            match broker.round(ledger, unique).await {
+                Ok(v) => {
+                    progress!("e2e round {}: {name} {v:.0} msg/s", r + 1);
+                    values.push(v);
+                }
+                Err(e) => {
+                    progress!("e2e: {name} failed: {e:#}");
+                    skipped = Some(format!("{e:#}"));
+                    break;
+                }
+            }
+        }
+        match skipped {
+            Some(why) if values.is_empty() => {
+                notes.push(format!("- {name} → PostgreSQL: not measured ({why})."));
+                continue;
+            }
+            Some(why) => notes.push(format!(
+                "- {name} → PostgreSQL: a later round failed ({why}); median of {} rounds.",
+                values.len()
+            )),
+            None => {}
+        }
+        notes.extend(broker.note(cfg));
+        let mut row = Row::new(
+            SECTION,
+            broker.label(cfg),
+            broker.messages(cfg),
+            median(&values),
+            "msg/s",
+        );
+        if let Some(b) = pg_bare {
+            row = row.ratio(b, "PostgreSQL bare");
+        }
+        rows.push(row);
+    }
+    Ok(())
 }
 
 /// The end-to-end rows, and notes on skipped brokers.
@@ -186,7 +507,12 @@ pub async fn rows(cfg: &Config, pg_bare: Option<f64>) -> anyhow::Result<(Vec<Row
             .max_connections(cfg.pool),
     )
     .await?;
-    let ledger = postgres::setup(&store).await?;
+    let table = postgres::setup(&store).await?;
+    let ledger = Ledger {
+        cfg,
+        store: &store,
+        table: &table,
+    };
     let mut notes = Vec::new();
     let n = cfg.e2e_messages;
     let result = async {
@@ -203,8 +529,8 @@ pub async fn rows(cfg: &Config, pg_bare: Option<f64>) -> anyhow::Result<(Vec<Row
         std::fs::write(&path, text)?;
         let mut jsonl = Vec::new();
         for r in 0..cfg.rounds {
-            postgres::clear(&store, &ledger).await?;
-            let v = jsonl_round(cfg, &store, &ledger, &path).await?;
+            postgres::clear(&store, &table).await?;
+            let v = jsonl_round(&ledger, &path).await?;
             progress!("e2e round {}: JSON lines {v:.0} msg/s", r + 1);
             jsonl.push(v);
         }
@@ -223,61 +549,11 @@ pub async fn rows(cfg: &Config, pg_bare: Option<f64>) -> anyhow::Result<(Vec<Row
             row = row.ratio(b, "PostgreSQL bare");
         }
         rows.push(row);
-
-        // Brokers: a round that fails on its first try marks the broker unavailable.
-        for broker in ["RabbitMQ", "Kafka"] {
-            let mut values = Vec::new();
-            let mut skipped = None;
-            for r in 0..cfg.rounds {
-                postgres::clear(&store, &ledger).await?;
-                let v = match broker {
-                    "RabbitMQ" => amqp_round(cfg, &store, &ledger, r).await,
-                    _ => kafka_round(cfg, &store, &ledger, r).await,
-                };
-                match v {
-                    Ok(v) => {
-                        progress!("e2e round {}: {broker} {v:.0} msg/s", r + 1);
-                        values.push(v);
-                    }
-                    Err(e) => {
-                        progress!("e2e: {broker} failed: {e:#}");
-                        skipped = Some(format!("{e:#}"));
-                        break;
-                    }
-                }
-            }
-            match skipped {
-                Some(why) if values.is_empty() => {
-                    notes.push(format!("- {broker} → PostgreSQL: not measured ({why})."))
-                }
-                Some(why) => notes.push(format!(
-                    "- {broker} → PostgreSQL: a later round failed ({why}); median of {} rounds.",
-                    values.len()
-                )),
-                None => {}
-            }
-            if !values.is_empty() {
-                let what = match broker {
-                    "RabbitMQ" => format!(
-                        "RabbitMQ queue → PostgreSQL (prefetch 32, concurrency {}), steady state",
-                        cfg.concurrency
-                    ),
-                    _ => format!(
-                        "Kafka topic (3 partitions) → PostgreSQL (concurrency {}), steady state",
-                        cfg.concurrency
-                    ),
-                };
-                let mut row = Row::new(SECTION, what, n, median(&values), "msg/s");
-                if let Some(b) = pg_bare {
-                    row = row.ratio(b, "PostgreSQL bare");
-                }
-                rows.push(row);
-            }
-        }
+        broker_rows(&ledger, pg_bare, &mut rows, &mut notes).await?;
         Ok(rows)
     }
     .await;
-    postgres::teardown(&store, &ledger).await;
+    postgres::teardown(&store, &table).await;
     store.pool().close().await;
     result.map(|rows| (rows, notes))
 }

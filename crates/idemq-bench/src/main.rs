@@ -10,7 +10,8 @@
 //!   and prune rows/s;
 //! - Redis: the lease store beside raw `SET NX PX`;
 //! - the in-memory store beside a bare queue drain;
-//! - end to end: JSON lines and each reachable broker → PostgreSQL.
+//! - end to end: JSON lines and each reachable broker (RabbitMQ, Kafka, NATS
+//!   JetStream, Redis Streams, MQTT, SQS, RocketMQ) → PostgreSQL.
 //!
 //! Run `scripts/bench.sh` (release build); `--help` lists the knobs.
 
@@ -72,6 +73,26 @@ pub struct Config {
     /// Kafka bootstrap servers; unreachable → the row is skipped.
     #[arg(long, env = "IDEMQ_BENCH_KAFKA", default_value = "127.0.0.1:9092")]
     pub kafka: String,
+    /// NATS server with JetStream; unreachable → the row is skipped.
+    #[arg(
+        long,
+        env = "IDEMQ_BENCH_NATS",
+        default_value = "nats://127.0.0.1:4222"
+    )]
+    pub nats: String,
+    /// MQTT 5 broker, `mqtt://host:port` (no topic); unreachable → the row is skipped.
+    #[arg(
+        long,
+        env = "IDEMQ_BENCH_MQTT",
+        default_value = "mqtt://127.0.0.1:1883"
+    )]
+    pub mqtt: String,
+    /// SQS endpoint (an SQS-compatible server such as moto); unreachable → the row is skipped.
+    #[arg(long, env = "IDEMQ_BENCH_SQS", default_value = "http://127.0.0.1:5000")]
+    pub sqs: String,
+    /// RocketMQ name server(s); unreachable → the row is skipped.
+    #[arg(long, env = "IDEMQ_BENCH_ROCKETMQ", default_value = "127.0.0.1:9876")]
+    pub rocketmq: String,
 
     /// Measured rounds per row; each row reports the median. Baseline and
     /// idemq alternate within every round (A/B, then B/A).
@@ -120,6 +141,10 @@ pub struct Config {
     /// Messages per end-to-end measurement.
     #[arg(long, default_value_t = 2_000)]
     pub e2e_messages: u64,
+    /// Messages per SQS end-to-end measurement: moto, the local SQS, answers
+    /// tens of requests per second.
+    #[arg(long, default_value_t = 200)]
+    pub sqs_messages: u64,
 
     /// Sections to run, comma-separated: sql, claim, redis, memory, e2e.
     #[arg(
