@@ -534,6 +534,16 @@ fn dlq_replay_resolves_what_now_succeeds() {
         "the origin survives the replay"
     );
     assert_eq!(after[0]["offset"], 3);
+    assert_eq!(
+        after[0]["id"], missing_id,
+        "one letter per message: the same letter is kept, not written again"
+    );
+    assert!(
+        replay
+            .stdout
+            .contains("dead letter kept (one letter per message)"),
+        "{replay:#?}"
+    );
     let inspect = f
         .run(&[
             "inspect",

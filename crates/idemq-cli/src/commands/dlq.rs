@@ -122,7 +122,7 @@ pub async fn replay<B: Backend>(store: B, args: DlqReplayArgs) -> Result<ExitCod
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        let verdict = Verdict::of(outcome.as_ref(), ignore_conflicts);
+        let verdict = Verdict::of(outcome.as_ref(), ignore_conflicts, letter.key.as_deref());
         if verdict.deletes() {
             store
                 .delete_dead_letter(letter.id)
@@ -198,8 +198,14 @@ enum Verdict {
     Processed,
     /// Already processed (with the same payload) since it was dead-lettered.
     Duplicate { processed_ms: i64 },
-    /// Dead-lettered again (a new dead letter was written).
-    Again { reason: String, error: String },
+    /// Dead-lettered again. Under the same key the store kept the one
+    /// letter it has for this message (`same_letter`: same letter id, so no
+    /// new row); under another key a new letter replaces this one.
+    Again {
+        reason: String,
+        error: String,
+        same_letter: bool,
+    },
     /// A conflict ignored by policy: nothing was written.
     ConflictIgnored,
     /// No final outcome (interrupted while waiting for a retry).
@@ -207,15 +213,23 @@ enum Verdict {
 }
 
 impl Verdict {
-    fn of(outcome: Option<&Outcome>, ignore_conflicts: bool) -> Self {
+    /// `key`: the dead letter's key. The replay restores the letter's
+    /// message and origin, so a new letter has the same letter id (and is
+    /// not written again) unless its key differs.
+    fn of(outcome: Option<&Outcome>, ignore_conflicts: bool, key: Option<&str>) -> Self {
         match outcome {
             Some(Outcome::Processed { .. }) => Verdict::Processed,
             Some(Outcome::Duplicate { record }) => Verdict::Duplicate {
                 processed_ms: record.first_seen_ms,
             },
-            Some(Outcome::DeadLettered { reason, error, .. }) => Verdict::Again {
+            Some(Outcome::DeadLettered {
+                reason,
+                error,
+                key: new_key,
+            }) => Verdict::Again {
                 reason: reason.code().to_owned(),
                 error: error.clone(),
+                same_letter: new_key.as_deref() == key,
             },
             Some(Outcome::Conflict { .. }) if ignore_conflicts => Verdict::ConflictIgnored,
             Some(Outcome::Conflict {
@@ -227,6 +241,7 @@ impl Verdict {
                     "key {:?} was processed with fingerprint {}; this message has {}",
                     record.key, record.fingerprint, fingerprint
                 ),
+                same_letter: Some(record.key.as_str()) == key,
             },
             Some(Outcome::RetryLater { error, .. }) => Verdict::Unfinished {
                 error: Some(error.clone()),
@@ -239,7 +254,12 @@ impl Verdict {
     fn deletes(&self) -> bool {
         matches!(
             self,
-            Verdict::Processed | Verdict::Duplicate { .. } | Verdict::Again { .. }
+            Verdict::Processed
+                | Verdict::Duplicate { .. }
+                | Verdict::Again {
+                    same_letter: false,
+                    ..
+                }
         )
     }
 }
@@ -253,10 +273,19 @@ impl std::fmt::Display for Verdict {
                 "duplicate (already processed at {}); dead letter deleted",
                 time(*processed_ms)
             ),
-            Verdict::Again { reason, error } => write!(
+            Verdict::Again {
+                reason,
+                error,
+                same_letter,
+            } => write!(
                 f,
-                "dead-lettered again ({reason}: {}); replaced by the new dead letter",
-                cell(error, 200)
+                "dead-lettered again ({reason}: {}); {}",
+                cell(error, 200),
+                if *same_letter {
+                    "dead letter kept (one letter per message)"
+                } else {
+                    "replaced by the new dead letter (another key)"
+                }
             ),
             Verdict::ConflictIgnored => f.write_str("conflict ignored; dead letter kept"),
             Verdict::Unfinished { error: Some(e) } => {
