@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The benchmark suite: builds idemq-bench in release, makes sure the services
-# answer on 127.0.0.1 (PostgreSQL, MariaDB, Redis, RabbitMQ, NATS, Mosquitto;
-# the Kafka-compatible broker, moto (SQS) and RocketMQ only if they are
-# already installed — otherwise their rows are skipped), and
-# prints one Markdown table on stdout (progress goes to stderr).
+# The benchmark suite: builds idemq-bench in release, installs and starts the
+# services on 127.0.0.1 (as scripts/test.sh does: PostgreSQL, MariaDB, Redis,
+# RabbitMQ, NATS, Mosquitto, Apache Kafka, Apache RocketMQ, moto for SQS; a
+# broker that does not start has its rows skipped), and prints one Markdown
+# table on stdout (progress goes to stderr).
 #
 #   scripts/bench.sh                 # default run, about 2–4 minutes
 #   scripts/bench.sh --full          # claim cost with 1 M and 10 M keys stored
@@ -14,14 +14,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 scripts/services.sh >&2
-if command -v tansu >/dev/null 2>&1 || [ -x "$HOME/.cargo/bin/tansu" ]; then
-  scripts/kafka.sh >&2 || echo "bench: the Kafka broker did not start; its row is skipped" >&2
-fi
-if [ -x "$HOME/.idemq-tools/moto/bin/moto_server" ] || command -v moto_server >/dev/null 2>&1; then
-  scripts/sqs.sh >&2 || echo "bench: the SQS endpoint did not start; its row is skipped" >&2
-fi
-if [ -x "$HOME/.cargo/bin/rocketmq-broker-rust" ]; then
-  scripts/rocketmq.sh >&2 || echo "bench: RocketMQ did not start; its row is skipped" >&2
-fi
+scripts/kafka.sh >&2 || echo "bench: Apache Kafka did not start; its rows are skipped" >&2
+scripts/sqs.sh >&2 || echo "bench: the SQS endpoint did not start; its row is skipped" >&2
+scripts/rocketmq.sh >&2 || echo "bench: Apache RocketMQ did not start; its row is skipped" >&2
 cargo build --release -p idemq-bench >&2
 exec target/release/idemq-bench "$@"

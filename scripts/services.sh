@@ -1,57 +1,244 @@
 #!/usr/bin/env bash
-# Makes sure the databases the tests use answer on 127.0.0.1, starting them
-# with this machine's documented commands if they do not, and creates the
-# `test` databases. Idempotent.
+# Installs (once, from Debian's packages) and starts (every time; a service
+# that already answers is left alone) the services the tests use, each bound
+# to 127.0.0.1 and run in the foreground of its own session the way a
+# container runs it (no service manager needed):
+#
+#   postgres   PostgreSQL :5432, trust for `postgres`, database `test`, TLS on
+#              with a local certificate ($IDEMQ_TOOLS/postgres/root.crt)
+#   mariadb    MariaDB    :3306, `root` with an empty password, database `test`
+#   redis      Redis      :6379, nothing kept on disk
+#   rabbitmq   RabbitMQ   :5672, guest/guest
+#   mosquitto  Mosquitto  :1883, anonymous
+#   nats       NATS       :4222 with JetStream
+#
+#   scripts/services.sh                 # all of them
+#   scripts/services.sh postgres nats   # some of them
+#
+# State and logs live under ${IDEMQ_TOOLS:-$HOME/.idemq-tools}/<service>
+# (PostgreSQL's and MariaDB's data under /var/lib). Waits until each answers;
+# on failure prints the end of that service's log and names it. Idempotent.
 set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib/daemon.sh
+. scripts/lib/daemon.sh
 
-wait_for() { # name, check command...
-  local name=$1; shift
-  for _ in $(seq 1 60); do
-    if "$@" >/dev/null 2>&1; then return 0; fi
-    sleep 1
-  done
-  echo "services: $name does not answer" >&2
-  return 1
+ALL="postgres mariadb redis rabbitmq mosquitto nats"
+WANTED="${*:-$ALL}"
+for s in $WANTED; do
+  case " $ALL " in *" $s "*) ;; *) echo "services.sh: unknown service $s (known: $ALL)" >&2; exit 2 ;; esac
+done
+wanted() { case " $WANTED " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+# as_user USER COMMAND...: runs COMMAND as USER, without a fork in between
+# (so a pid file names the service itself).
+as_user() {
+  local user="$1"
+  shift
+  setpriv --reuid="$user" --regid="$user" --init-groups "$@"
+}
+AS_POSTGRES=(setpriv --reuid=postgres --regid=postgres --init-groups)
+AS_RABBITMQ=(setpriv --reuid=rabbitmq --regid=rabbitmq --init-groups)
+
+# ---- PostgreSQL -----------------------------------------------------------
+PG_RUN="$IDEMQ_TOOLS/postgres"
+PG_DATA=/var/lib/postgresql/idemq/data
+PG_PID="$PG_RUN/postgres.pid"
+PG_LOG="$PG_RUN/postgres.log"
+pg_bin() { ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n1; }
+pg_answers() { pg_isready -q -h 127.0.0.1 -p 5432; }
+start_postgres() {
+  pg_answers >/dev/null 2>&1 && return 0
+  local bin
+  bin="$(pg_bin)"
+  mkdir -p "$PG_RUN"
+  install -d -o postgres -g postgres /var/run/postgresql
+  if [ ! -f "$PG_DATA/PG_VERSION" ]; then
+    echo "services: creating the PostgreSQL cluster in $PG_DATA"
+    install -d -o postgres -g postgres -m 700 "$PG_DATA"
+    as_user postgres "$bin/initdb" -D "$PG_DATA" -U postgres --auth=trust --encoding=UTF8 \
+      --locale=C.UTF-8 >"$PG_RUN/initdb.log" 2>&1 ||
+      { show_log PostgreSQL "$PG_RUN/initdb.log"; echo "services: PostgreSQL initdb failed" >&2; return 1; }
+    # A self-signed certificate for TLS on loopback (sslmode=require; a
+    # client that verifies uses $PG_RUN/root.crt).
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj /CN=localhost \
+      -addext "subjectAltName=DNS:localhost,IP:127.0.0.1" \
+      -keyout "$PG_DATA/server.key" -out "$PG_DATA/server.crt" >/dev/null 2>&1
+    chown postgres:postgres "$PG_DATA/server.key" "$PG_DATA/server.crt"
+    chmod 600 "$PG_DATA/server.key"
+    cat >>"$PG_DATA/postgresql.conf" <<CONF
+# idemq test service (scripts/services.sh)
+listen_addresses = '127.0.0.1'
+port = 5432
+max_connections = 200
+unix_socket_directories = '/var/run/postgresql'
+ssl = on
+ssl_cert_file = 'server.crt'
+ssl_key_file = 'server.key'
+CONF
+  fi
+  cp -f "$PG_DATA/server.crt" "$PG_RUN/root.crt"
+  if ! pid_alive "$PG_PID"; then
+    # Nothing of ours runs: a lock file left by a server killed with an
+    # earlier session is stale (its pid may now belong to anything).
+    rm -f "$PG_DATA/postmaster.pid"
+    echo "services: starting PostgreSQL (log $PG_LOG)"
+    spawn "$PG_PID" "$PG_LOG" "${AS_POSTGRES[@]}" "$bin/postgres" -D "$PG_DATA"
+  fi
+}
+ready_postgres() {
+  wait_until PostgreSQL 60 "$PG_PID" "$PG_LOG" pg_answers || return 1
+  if ! psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'test'" | grep -q 1; then
+    psql -h 127.0.0.1 -U postgres -qc "CREATE DATABASE test"
+  fi
 }
 
-if ! pg_isready -h 127.0.0.1 -p 5432 >/dev/null 2>&1; then
-  echo "services: starting PostgreSQL"
-  pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n1)" main start || true
-fi
-wait_for PostgreSQL pg_isready -h 127.0.0.1 -p 5432
-if ! psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'test'" | grep -q 1; then
-  psql -h 127.0.0.1 -U postgres -c "CREATE DATABASE test" >/dev/null
-fi
+# ---- MariaDB --------------------------------------------------------------
+MY_RUN="$IDEMQ_TOOLS/mariadb"
+MY_PID="$MY_RUN/mariadb.pid"
+MY_LOG="$MY_RUN/mariadb.log"
+my_answers() { mariadb -h 127.0.0.1 -P 3306 -uroot -e 'SELECT 1'; }
+my_socket_answers() { mariadb --protocol=socket -S /run/mysqld/mysqld.sock -uroot -e 'SELECT 1'; }
+start_mariadb() {
+  my_answers >/dev/null 2>&1 && return 0
+  mkdir -p "$MY_RUN"
+  install -d -o mysql -g mysql /run/mysqld
+  if [ ! -d /var/lib/mysql/mysql ]; then
+    echo "services: creating MariaDB's system tables in /var/lib/mysql"
+    mariadb-install-db --user=mysql --datadir=/var/lib/mysql >"$MY_RUN/install-db.log" 2>&1 ||
+      { show_log MariaDB "$MY_RUN/install-db.log"; echo "services: mariadb-install-db failed" >&2; return 1; }
+  fi
+  if ! pid_alive "$MY_PID"; then
+    echo "services: starting MariaDB (log $MY_LOG)"
+    spawn "$MY_PID" "$MY_LOG" /usr/sbin/mariadbd --user=mysql --datadir=/var/lib/mysql \
+      --bind-address=127.0.0.1 --port=3306 --socket=/run/mysqld/mysqld.sock \
+      --pid-file=/run/mysqld/mysqld.pid --log-error="$MY_RUN/error.log"
+  fi
+}
+ready_mariadb() {
+  wait_until MariaDB 90 "$MY_PID" "$MY_RUN/error.log" my_socket_answers || return 1
+  # Debian's root logs in by unix socket only; the tests log in over TCP as
+  # root with an empty password (loopback only), with clients (sqlx) that do
+  # not follow an authentication chain: plain mysql_native_password.
+  mariadb --protocol=socket -S /run/mysqld/mysqld.sock -uroot <<'SQL'
+ALTER USER 'root'@'localhost' IDENTIFIED VIA mysql_native_password USING PASSWORD('');
+CREATE USER IF NOT EXISTS 'root'@'127.0.0.1' IDENTIFIED BY '';
+GRANT ALL PRIVILEGES ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION;
+CREATE USER IF NOT EXISTS 'root'@'::1' IDENTIFIED BY '';
+GRANT ALL PRIVILEGES ON *.* TO 'root'@'::1' WITH GRANT OPTION;
+FLUSH PRIVILEGES;
+SQL
+  wait_until MariaDB 30 "$MY_PID" "$MY_RUN/error.log" my_answers || return 1
+  mariadb -h 127.0.0.1 -uroot -e 'CREATE DATABASE IF NOT EXISTS test'
+}
 
-if ! mariadb -h 127.0.0.1 -uroot -e 'SELECT 1' >/dev/null 2>&1; then
-  echo "services: starting MariaDB"
-  start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd || true
-fi
-wait_for MariaDB mariadb -h 127.0.0.1 -uroot -e 'SELECT 1'
-mariadb -h 127.0.0.1 -uroot -e 'CREATE DATABASE IF NOT EXISTS test'
+# ---- Redis ----------------------------------------------------------------
+RD_RUN="$IDEMQ_TOOLS/redis"
+RD_PID="$RD_RUN/redis.pid"
+RD_LOG="$RD_RUN/redis.log"
+rd_answers() { redis-cli -h 127.0.0.1 -p 6379 ping | grep -q PONG; }
+start_redis() {
+  rd_answers >/dev/null 2>&1 && return 0
+  mkdir -p "$RD_RUN"
+  if ! pid_alive "$RD_PID"; then
+    echo "services: starting Redis (log $RD_LOG)"
+    spawn "$RD_PID" "$RD_LOG" redis-server --bind 127.0.0.1 -::1 --port 6379 --save "" \
+      --appendonly no --dir "$RD_RUN" --daemonize no
+  fi
+}
+ready_redis() { wait_until Redis 30 "$RD_PID" "$RD_LOG" rd_answers; }
 
-if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
-  echo "services: starting Redis"
-  redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
-    --dir /var/lib/redis --logfile /var/log/redis/ci.log || true
-fi
-wait_for Redis redis-cli -h 127.0.0.1 -p 6379 ping
+# ---- RabbitMQ -------------------------------------------------------------
+RB_RUN="$IDEMQ_TOOLS/rabbitmq"
+RB_PID="$RB_RUN/rabbitmq.pid"
+RB_LOG="$RB_RUN/rabbitmq.log"
+rb_answers() { port_open 127.0.0.1 5672; }
+start_rabbitmq() {
+  rb_answers >/dev/null 2>&1 && return 0
+  mkdir -p "$RB_RUN"
+  # One node name for the server and rabbitmqctl that needs no host name
+  # lookup; loopback only (epmd too).
+  local envconf=/etc/rabbitmq/rabbitmq-env.conf
+  if ! grep -q '^# idemq test service v2' "$envconf" 2>/dev/null; then
+    sed -i '/^# idemq test service/,$d' "$envconf" 2>/dev/null || true
+    cat >>"$envconf" <<'CONF'
+# idemq test service v2 (scripts/services.sh)
+NODENAME=rabbit@localhost
+NODE_IP_ADDRESS=127.0.0.1
+SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
+CONF
+  fi
+  if ! pid_alive "$RB_PID"; then
+    echo "services: starting RabbitMQ (log $RB_LOG)"
+    spawn "$RB_PID" "$RB_LOG" "${AS_RABBITMQ[@]}" env HOME=/var/lib/rabbitmq ERL_EPMD_ADDRESS=127.0.0.1 \
+      sh -c 'cd /var/lib/rabbitmq && exec /usr/lib/rabbitmq/bin/rabbitmq-server'
+  fi
+}
+ready_rabbitmq() { wait_until RabbitMQ 120 "$RB_PID" "$RB_LOG" rb_answers; }
 
-if ! (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null; then
-  echo "services: starting RabbitMQ"
-  rabbitmq-server -detached || true
-fi
-wait_for RabbitMQ bash -c 'exec 3<>/dev/tcp/127.0.0.1/5672'
+# ---- Mosquitto ------------------------------------------------------------
+MQ_RUN="$IDEMQ_TOOLS/mosquitto"
+MQ_PID="$MQ_RUN/mosquitto.pid"
+MQ_LOG="$MQ_RUN/mosquitto.log"
+mq_answers() { port_open 127.0.0.1 1883; }
+start_mosquitto() {
+  mq_answers >/dev/null 2>&1 && return 0
+  mkdir -p "$MQ_RUN"
+  install -d -o mosquitto -g mosquitto /var/lib/mosquitto
+  # Debian's defaults (persistence on; queue limits left at Mosquitto's
+  # defaults), on loopback.
+  cat >"$MQ_RUN/mosquitto.conf" <<CONF
+# idemq test service (scripts/services.sh)
+listener 1883 127.0.0.1
+allow_anonymous true
+user mosquitto
+persistence true
+persistence_location /var/lib/mosquitto/
+log_dest stdout
+CONF
+  if ! pid_alive "$MQ_PID"; then
+    echo "services: starting Mosquitto (log $MQ_LOG)"
+    spawn "$MQ_PID" "$MQ_LOG" mosquitto -c "$MQ_RUN/mosquitto.conf"
+  fi
+}
+ready_mosquitto() { wait_until Mosquitto 30 "$MQ_PID" "$MQ_LOG" mq_answers; }
 
-if ! (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; then
-  echo "services: starting NATS (JetStream)"
-  start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- \
-    -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log || true
-fi
-wait_for NATS bash -c 'exec 3<>/dev/tcp/127.0.0.1/4222'
+# ---- NATS -----------------------------------------------------------------
+NT_RUN="$IDEMQ_TOOLS/nats"
+NT_PID="$NT_RUN/nats.pid"
+NT_LOG="$NT_RUN/nats.log"
+nt_answers() { port_open 127.0.0.1 4222; }
+start_nats() {
+  nt_answers >/dev/null 2>&1 && return 0
+  mkdir -p "$NT_RUN/jetstream"
+  if ! pid_alive "$NT_PID"; then
+    echo "services: starting NATS with JetStream (log $NT_LOG)"
+    spawn "$NT_PID" "$NT_LOG" nats-server -a 127.0.0.1 -p 4222 -js -sd "$NT_RUN/jetstream"
+  fi
+}
+ready_nats() { wait_until NATS 30 "$NT_PID" "$NT_LOG" nt_answers; }
 
-if ! (exec 3<>/dev/tcp/127.0.0.1/1883) 2>/dev/null; then
-  echo "services: starting Mosquitto"
-  mosquitto -d -c /etc/mosquitto/mosquitto.conf || true
+# ---- install, start all, then wait for each ---------------------------------
+pkgs=()
+wanted postgres && pkgs+=(postgresql openssl)
+wanted mariadb && pkgs+=(mariadb-server mariadb-client)
+wanted redis && pkgs+=(redis-server redis-tools)
+wanted rabbitmq && pkgs+=(rabbitmq-server)
+wanted mosquitto && pkgs+=(mosquitto)
+wanted nats && pkgs+=(nats-server)
+apt_install "${pkgs[@]}"
+
+declare -A NAME=([postgres]=PostgreSQL [mariadb]=MariaDB [redis]=Redis [rabbitmq]=RabbitMQ [mosquitto]=Mosquitto [nats]=NATS)
+failed=()
+for s in $WANTED; do
+  "start_$s" || failed+=("${NAME[$s]}")
+done
+for s in $WANTED; do
+  case " ${failed[*]} " in *" ${NAME[$s]} "*) continue ;; esac
+  "ready_$s" || failed+=("${NAME[$s]}")
+done
+if ((${#failed[@]})); then
+  echo "services: FAILED: ${failed[*]} (see the log lines above)" >&2
+  exit 1
 fi
-wait_for Mosquitto bash -c 'exec 3<>/dev/tcp/127.0.0.1/1883'
+echo "services: ready: $WANTED"

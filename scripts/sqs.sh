@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Makes sure an SQS-compatible endpoint (moto's server, from PyPI) answers on
+# Makes sure an SQS endpoint (moto's server, from PyPI) answers on
 # 127.0.0.1:5000 for the `sqs` tests: installs `moto[server]` into a venv under
 # ${IDEMQ_TOOLS:-$HOME/.idemq-tools}/moto once, then starts it in the
-# background unless something already listens there. Idempotent.
+# background unless something already answers there. Idempotent.
 # moto keeps its state in memory: restarting it forgets every queue.
+# Log: $IDEMQ_TOOLS/sqs/moto.log.
 set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib/daemon.sh
+. scripts/lib/daemon.sh
 
-TOOLS="${IDEMQ_TOOLS:-$HOME/.idemq-tools}"
-VENV="$TOOLS/moto"
-RUN="$TOOLS/sqs"
+VENV="$IDEMQ_TOOLS/moto"
+RUN="$IDEMQ_TOOLS/sqs"
 HOST=127.0.0.1
 PORT=5000
 LOG="$RUN/moto.log"
@@ -25,23 +28,15 @@ except urllib.error.HTTPError:
 PY
 }
 
-listening() {
-  python3 - "$HOST" "$PORT" <<'PY' >/dev/null 2>&1
-import socket, sys
-s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1)
-s.close()
-PY
-}
-
+mkdir -p "$RUN"
 if [ ! -x "$VENV/bin/moto_server" ]; then
-  echo "sqs: installing moto[server] into $VENV"
-  mkdir -p "$TOOLS"
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet 'moto[server]'
+  echo "sqs: installing moto[server] from PyPI into $VENV (once)"
+  rm -rf "$VENV"
+  { python3 -m venv "$VENV" && "$VENV/bin/pip" install --quiet 'moto[server]==5.2.5'; } >"$RUN/install.log" 2>&1 ||
+    { show_log SQS "$RUN/install.log"; echo "sqs: installing moto[server] failed" >&2; exit 1; }
 fi
 
-mkdir -p "$RUN"
-if listening; then
+if port_open "$HOST" "$PORT"; then
   if answers; then
     echo "sqs: an endpoint already answers on http://$HOST:$PORT"
     exit 0
@@ -50,20 +45,11 @@ if listening; then
   exit 1
 fi
 
-echo "sqs: starting moto_server on http://$HOST:$PORT (log $LOG)"
-setsid nohup "$VENV/bin/moto_server" -H "$HOST" -p "$PORT" >"$LOG" 2>&1 </dev/null &
-echo $! >"$PIDFILE"
-
-for _ in $(seq 1 60); do
-  if answers; then
-    echo "sqs: moto answers on http://$HOST:$PORT (pid $(cat "$PIDFILE"))"
-    exit 0
-  fi
-  if ! kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
-    break
-  fi
-  sleep 0.5
-done
-echo "sqs: moto_server did not answer on $HOST:$PORT within 30 s; log tail:" >&2
-tail -n 30 "$LOG" >&2 || true
-exit 1
+if pid_alive "$PIDFILE"; then
+  echo "sqs: moto (pid $(live_pid "$PIDFILE")) is starting; waiting for it"
+else
+  echo "sqs: starting moto_server on http://$HOST:$PORT (log $LOG)"
+  spawn "$PIDFILE" "$LOG" "$VENV/bin/moto_server" -H "$HOST" -p "$PORT"
+fi
+wait_until "SQS (moto)" 60 "$PIDFILE" "$LOG" answers
+echo "sqs: moto answers on http://$HOST:$PORT"

@@ -482,7 +482,7 @@ async fn postgres_rows_are_relayed_to_nats_and_consumed_exactly_once() {
     db.drop_tables().await;
 }
 
-/// Kafka (tansu on 127.0.0.1:9092): the relay creates the topic with three
+/// Kafka (Apache Kafka on 127.0.0.1:9092): the relay creates the topic with three
 /// partitions (the account is the record key, so each account's events
 /// stay in order); a second group reads everything again.
 #[cfg(feature = "kafka")]

@@ -20,7 +20,7 @@ const BROKERS: &str = "127.0.0.1:9092";
 async fn main() -> Result<(), ledger::Error> {
     let run = std::process::id();
     let topic = format!("payments-example-{run}");
-    // Kafka-compatible brokers such as tansu do not create topics on first use.
+    // Locked-down clusters do not create topics on first use; create it explicitly.
     create_topic(BROKERS, &topic, 3).await?;
     let ledger = ledger::Ledger::create("kafka").await?;
 

@@ -1,4 +1,4 @@
-//! The Kafka source against a real Kafka-compatible broker (tansu on
+//! The Kafka source against a real Apache Kafka broker (KRaft, one node on
 //! 127.0.0.1:9092, started by `scripts/kafka.sh`) with the PostgreSQL ledger:
 //! duplicates of both kinds, poison, a crash between the inbox commit and the
 //! offset commit, a crash inside the handler, retries, a rebalance with
@@ -421,7 +421,7 @@ async fn competing_consumers_and_a_rebalance() {
     let group = support::unique("g");
     let mut messages = Vec::new();
     let mut expected = BTreeMap::new();
-    // About 7.5 s of work for one member; a rebalance takes about 3.5 s on tansu.
+    // About 7.5 s of work for one member; a rebalance takes a few seconds.
     for i in 0..75 {
         let m = payment(
             &format!("m-{i}"),

@@ -1,5 +1,5 @@
 //! Offset-watermark mode ([`Consumer::run_watermarked`]) with the Kafka
-//! source against tansu, on each SQL store (PostgreSQL, MariaDB, SQLite),
+//! source against Apache Kafka, on each SQL store (PostgreSQL, MariaDB, SQLite),
 //! with a ledger table the handler writes through the claim's transaction:
 //! after a crash between the database commit and the offset commit, the
 //! restarted consumer starts each partition at its watermark and does not

@@ -1234,7 +1234,7 @@ impl Drop for KafkaAcker {
 
 /// Creates `topic` with `partitions` partitions (replication factor 1) on
 /// `brokers` unless it exists; whether it was created. For brokers without
-/// topic auto-creation (tansu, locked-down clusters), tests and demos.
+/// topic auto-creation (locked-down clusters), tests and demos.
 pub async fn create_topic(
     brokers: &str,
     topic: &str,
