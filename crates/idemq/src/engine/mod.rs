@@ -2,6 +2,7 @@
 //!
 //! For each delivery, in this order:
 //! 1. derive the business key and payload fingerprint (bad input → dead letter);
+//!    deliveries of one key wait in its lane for the earlier ones (`lanes`);
 //! 2. **claim** the key in the store (insert first);
 //! 3. run the **handler** with the store's transaction (or lease);
 //! 4. store the result and **commit**;
@@ -23,6 +24,7 @@
 pub mod batch;
 mod consumer;
 mod handler;
+mod lanes;
 pub mod lease_batch;
 mod run;
 pub mod watermark;

@@ -2,20 +2,28 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use super::consumer::Consumer;
+use super::lanes::{KeyLanes, LaneEnd};
 use crate::error::SourceError;
-use crate::outcome::{OutcomeKind, Summary};
-use crate::source::Source;
+use crate::outcome::{Outcome, OutcomeKind, Summary};
+use crate::source::{Delivery, Source};
 use crate::store::Store;
+
+/// Deliveries read ahead of those running, as a multiple of `concurrency`:
+/// room for other keys to run while copies of one key wait in its lane.
+const READ_AHEAD: usize = 2;
 
 impl<S: Store> Consumer<S> {
     /// Runs `source` until it ends, with up to
-    /// [`concurrency`](super::ConsumerBuilder::concurrency) messages in flight,
-    /// and returns the outcome counts. Every delivery is settled before it returns.
+    /// [`concurrency`](super::ConsumerBuilder::concurrency) messages handled
+    /// at once, and returns the outcome counts. Deliveries of one business
+    /// key are handled one after the other, in the source's order; different
+    /// keys run concurrently. Every delivery is settled before it returns.
     pub async fn run(&self, source: impl Source) -> Result<Summary, SourceError> {
         self.run_until(source, std::future::pending::<()>()).await
     }
@@ -35,9 +43,18 @@ impl<S: Store> Consumer<S> {
         .await
     }
 
-    /// The loop of every per-delivery mode: keeps up to `concurrency`
-    /// deliveries in flight through `process`, until the source ends or
-    /// `shutdown` completes, then waits for those in flight.
+    /// The loop of every per-delivery mode: reads up to twice `concurrency`
+    /// deliveries ahead and runs up to `concurrency` of them at once through
+    /// `process`, until the source ends or `shutdown` completes, then waits
+    /// for those in flight.
+    ///
+    /// Deliveries with the same business key go through one key lane
+    /// (`super::lanes`): each waits until the previous one of its key
+    /// ended, so the first copy in the source's order is the first to claim
+    /// the key. When the previous copy was nacked to be retried, the next
+    /// one is nacked with the same delay without claiming (a later copy
+    /// never overtakes an earlier one that waits for its retry). Deliveries
+    /// without a key (bad input) run at once.
     pub(crate) async fn run_with<F, Fut>(
         &self,
         mut source: impl Source,
@@ -45,10 +62,13 @@ impl<S: Store> Consumer<S> {
         process: F,
     ) -> Result<Summary, SourceError>
     where
-        F: Fn(crate::source::Delivery) -> Fut,
-        Fut: Future<Output = crate::outcome::Outcome> + Send + 'static,
+        F: Fn(Delivery) -> Fut + Clone + Send + 'static,
+        Fut: Future<Output = Outcome> + Send + 'static,
     {
-        let permits = Arc::new(Semaphore::new(self.inner.concurrency));
+        let concurrency = self.inner.concurrency;
+        let admitted = Arc::new(Semaphore::new(concurrency.saturating_mul(READ_AHEAD)));
+        let running = Arc::new(Semaphore::new(concurrency));
+        let lanes = Arc::new(KeyLanes::default());
         let mut tasks: JoinSet<OutcomeKind> = JoinSet::new();
         let mut summary = Summary::default();
         let mut failure = None;
@@ -57,8 +77,8 @@ impl<S: Store> Consumer<S> {
             while let Some(done) = tasks.try_join_next() {
                 count(&mut summary, done);
             }
-            let permit = tokio::select! {
-                permit = Arc::clone(&permits).acquire_owned() => match permit {
+            let admission = tokio::select! {
+                permit = Arc::clone(&admitted).acquire_owned() => match permit {
                     Ok(p) => p,
                     Err(_) => break,
                 },
@@ -70,10 +90,36 @@ impl<S: Store> Consumer<S> {
             };
             match next {
                 Ok(Some(delivery)) => {
-                    let work = process(delivery);
+                    let ticket = self.lane_key(&delivery).map(|key| lanes.admit(key));
+                    let consumer = self.clone();
+                    let process = process.clone();
+                    let running = Arc::clone(&running);
                     tasks.spawn(async move {
-                        let outcome = work.await;
-                        drop(permit);
+                        let outcome = match ticket {
+                            None => {
+                                let _running = running.acquire_owned().await.ok();
+                                process(delivery).await
+                            }
+                            Some(mut ticket) => {
+                                let outcome = match ticket.wait().await {
+                                    Some(LaneEnd::RetryLater(delay)) => {
+                                        consumer.defer(delivery, delay).await
+                                    }
+                                    _ => {
+                                        let _running = running.acquire_owned().await.ok();
+                                        process(delivery).await
+                                    }
+                                };
+                                ticket.finish(match &outcome {
+                                    Outcome::RetryLater { delay, .. } => {
+                                        LaneEnd::RetryLater(*delay)
+                                    }
+                                    _ => LaneEnd::Settled,
+                                });
+                                outcome
+                            }
+                        };
+                        drop(admission);
                         outcome.kind()
                     });
                 }
@@ -93,6 +139,29 @@ impl<S: Store> Consumer<S> {
             Some(e) => Err(e),
             None => Ok(summary),
         }
+    }
+
+    /// The key lane of a delivery: its business key, or none for bad input.
+    fn lane_key(&self, delivery: &Delivery) -> Option<String> {
+        if delivery.defect.is_some() {
+            return None;
+        }
+        self.inner.key.extract(&delivery.message).ok()
+    }
+
+    /// Nacks `delivery` with `delay` without claiming it: an earlier
+    /// delivery of its key waits for a retry and must go first.
+    async fn defer(&self, delivery: Delivery, delay: Duration) -> Outcome {
+        let (message, meta, _defect, acker) = delivery.into_parts();
+        let outcome = Outcome::RetryLater {
+            key: self.inner.key.extract(&message).ok(),
+            attempts: 0,
+            delay,
+            error: "an earlier delivery of this key waits for its retry".into(),
+        };
+        self.settle(&outcome, acker).await;
+        self.report(&outcome, &meta);
+        outcome
     }
 }
 

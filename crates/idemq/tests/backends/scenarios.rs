@@ -61,6 +61,19 @@ macro_rules! suite {
         async fn migrations_are_idempotent_under_concurrency() {
             crate::scenarios::migrations_are_idempotent_under_concurrency::<$backend>().await
         }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn the_first_copy_in_order_wins_at_concurrency_8() {
+            crate::scenarios::the_first_copy_in_order_wins::<$backend>(8).await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn the_first_copy_in_order_wins_at_concurrency_64() {
+            crate::scenarios::the_first_copy_in_order_wins::<$backend>(64).await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_later_copy_never_overtakes_one_waiting_for_its_retry() {
+            crate::scenarios::a_later_copy_never_overtakes_one_waiting_for_its_retry::<$backend>()
+                .await
+        }
     };
 }
 pub(crate) use suite;
@@ -589,5 +602,90 @@ pub async fn migrations_are_idempotent_under_concurrency<B: Backend>() {
     ra.unwrap();
     rb.unwrap();
     backend.store().migrate().await.unwrap();
+    backend.cleanup().await;
+}
+
+/// Keys reused with another amount on the very next message, at high
+/// concurrency in one consumer: the first copy in the source's order is the
+/// one applied, every later copy is a conflict (or a duplicate when it
+/// repeats the first payload), and nothing is applied twice.
+pub async fn the_first_copy_in_order_wins<B: Backend>(concurrency: usize) {
+    const KEYS: i64 = 300;
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let mut messages = Vec::new();
+    for i in 0..KEYS {
+        let key = format!("key-{i}");
+        messages.push(msg(&key, i));
+        messages.push(msg(&key, i + 100_000));
+        if i % 3 == 0 {
+            messages.push(msg(&key, i)); // a redelivery of the first copy
+        }
+    }
+    let total = messages.len() as u64;
+    let queue = queue_of(messages);
+    let summary = run::<B>(
+        consumer(&backend, "ledger", &plan).concurrency(concurrency),
+        &queue,
+    )
+    .await;
+
+    let ledger = backend.ledger().await;
+    let later_wins: Vec<_> = ledger.iter().filter(|(_, a)| *a >= 100_000).collect();
+    assert!(
+        later_wins.is_empty(),
+        "a later copy won for {} of {KEYS} keys: {later_wins:?}",
+        later_wins.len()
+    );
+    assert_eq!(ledger.len() as i64, KEYS, "one effect per key");
+    assert_eq!(
+        ledger.iter().map(|(_, a)| a).sum::<i64>(),
+        KEYS * (KEYS - 1) / 2
+    );
+    assert_eq!(summary.count(OutcomeKind::Processed), KEYS as u64);
+    assert_eq!(summary.count(OutcomeKind::Conflict), KEYS as u64);
+    assert_eq!(
+        summary.count(OutcomeKind::Duplicate),
+        (KEYS as u64).div_ceil(3)
+    );
+    assert_eq!(queue.acked(), total, "every delivery settled");
+    backend.cleanup().await;
+}
+
+/// The first copy of a key fails retryably once; the next copy (another
+/// amount) arrives right behind it. The later copy is nacked without
+/// claiming while the first waits for its retry, so the first copy is the
+/// one applied and the later one is the conflict.
+pub async fn a_later_copy_never_overtakes_one_waiting_for_its_retry<B: Backend>() {
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let first = Message::new(r#"{"k":"r","amount":1,"fail":"retry","fail_times":1}"#);
+    let queue = queue_of([first, msg("r", 2), msg("other", 3)]);
+    let (seen, hook) = recorder();
+    let summary = run::<B>(
+        consumer(&backend, "ledger", &plan)
+            .concurrency(8)
+            .on_outcome(hook),
+        &queue,
+    )
+    .await;
+
+    assert_eq!(
+        backend.ledger().await,
+        vec![("other".to_owned(), 3), ("r".to_owned(), 1)],
+        "the first copy of r was applied, after its retry"
+    );
+    assert_eq!(summary.count(OutcomeKind::Processed), 2);
+    assert_eq!(summary.count(OutcomeKind::Conflict), 1);
+    let deferred = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|o| {
+            matches!(o, Outcome::RetryLater { attempts: 0, error, .. }
+                if error.contains("earlier delivery of this key"))
+        })
+        .count();
+    assert_eq!(deferred, 1, "the later copy was nacked without claiming");
     backend.cleanup().await;
 }
