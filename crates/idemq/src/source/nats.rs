@@ -1055,7 +1055,11 @@ mod tests {
             parse_duration("x", "1h").unwrap(),
             Duration::from_secs(3600)
         );
-        assert!(parse_duration("x", "1d").is_err());
+        assert_eq!(
+            parse_duration("x", "1d").unwrap(),
+            Duration::from_secs(86_400)
+        );
+        assert!(parse_duration("x", "1y").is_err());
         assert!(parse_duration("x", "s").is_err());
     }
 

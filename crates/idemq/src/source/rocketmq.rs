@@ -121,6 +121,7 @@ use rocketmq_model::common::message::STRING_HASH_SET;
 use rocketmq_runtime::{RuntimeConfig, RuntimeOwner};
 use tokio::sync::mpsc;
 
+use super::url::{Bare, BrokerUrl};
 use super::{Acknowledger, Delivery, Publisher, Source};
 use crate::error::SourceError;
 use crate::key::KeySpec;
@@ -204,74 +205,68 @@ impl RocketMqConfig {
         }
     }
 
-    /// Parses `rocketmq://host:port[;host:port…]/topic?group=NAME[&…]`.
+    /// Parses `rocketmq://host:port[;host:port…]/topic?group=NAME[&…]`, with
+    /// the URL rules every source shares (percent-decoding, durations such
+    /// as `90s` or `15m`, errors that hide credentials).
     ///
     /// Query parameters: `group` (required), `tags` (default `*`),
-    /// `consume_threads`, `max_reconsume_times`, `consume_timeout_ms`,
-    /// `start_from` (`earliest` or `latest`) and `dead_letter_topic`.
-    /// Name servers may also be separated by commas.
+    /// `consume_threads`, `max_reconsume_times`, `consume_timeout` (a bare
+    /// number is seconds; `consume_timeout_ms`, a bare number of
+    /// milliseconds, is the older spelling), `start_from` (`earliest` or
+    /// `latest`) and `dead_letter_topic`. Name servers may also be separated
+    /// by commas.
     pub fn from_url(url: &str) -> Result<Self, SourceError> {
-        let bad = |why: &str| SourceError::Config(format!("invalid RocketMQ URL {url:?}: {why}"));
-        let rest = url
-            .strip_prefix("rocketmq://")
-            .ok_or_else(|| bad("it must start with rocketmq://"))?;
-        let (location, query) = rest.split_once('?').unwrap_or((rest, ""));
-        let (servers, topic) = location.split_once('/').ok_or_else(|| {
-            bad("no topic: expected rocketmq://namesrv-host:9876/topic?group=NAME")
-        })?;
-        let servers: Vec<&str> = servers.split([';', ',']).map(str::trim).collect();
-        if servers.iter().any(|s| s.is_empty()) {
-            return Err(bad("no name server address"));
+        let u = BrokerUrl::parse("RocketMQ", "rocketmq", url)?;
+        if u.userinfo.is_some() {
+            return Err(u.error("credentials in the URL are not supported"));
         }
-        validate_name("topic", topic, 127).map_err(|why| bad(&why))?;
+        let hosts = u.decoded_hosts()?;
+        let servers: Vec<&str> = hosts.split([';', ',']).map(str::trim).collect();
+        if servers.iter().any(|s| s.is_empty()) {
+            return Err(u.error("no name server address"));
+        }
+        u.require_path("topic")?;
+        let topic = match u.segments()?.as_slice() {
+            [topic] => topic.clone(),
+            _ => return Err(u.error("the path must be one topic name")),
+        };
+        validate_name("topic", &topic, 127).map_err(|why| u.error(why))?;
         let mut config = RocketMqConfig::new(servers.join(";"), topic, "");
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (name, value) = pair
-                .split_once('=')
-                .ok_or_else(|| bad(&format!("parameter {pair:?} has no value")))?;
-            let number = |v: &str| {
-                v.parse::<u64>()
-                    .map_err(|_| bad(&format!("{name} must be a whole number, not {v:?}")))
-            };
-            match name {
-                "group" => config.group = value.to_owned(),
+        for p in u.params() {
+            match p.name.as_str() {
+                "group" => config.group = p.value.clone(),
                 "tags" => {
-                    if value.is_empty() {
-                        return Err(bad("tags must not be empty (use * for every tag)"));
+                    if p.value.is_empty() {
+                        return Err(p.error("tags must not be empty (use * for every tag)"));
                     }
-                    config.tags = value.to_owned();
+                    config.tags = p.value.clone();
                 }
                 "consume_threads" => {
-                    config.consume_threads = u32::try_from(number(value)?)
-                        .ok()
+                    config.consume_threads = Some(p.count::<u32>()?)
                         .filter(|n| (1..=1000).contains(n))
-                        .ok_or_else(|| bad("consume_threads must be between 1 and 1000"))?
+                        .ok_or_else(|| p.error("consume_threads must be between 1 and 1000"))?
                 }
-                "max_reconsume_times" => {
-                    config.max_reconsume_times = i32::try_from(number(value)?)
-                        .map_err(|_| bad("max_reconsume_times is too large"))?
-                }
-                "consume_timeout_ms" => {
-                    config.consume_timeout = Duration::from_millis(number(value)?)
-                }
+                "max_reconsume_times" => config.max_reconsume_times = p.count()?,
+                "consume_timeout" => config.consume_timeout = p.duration(Bare::Seconds)?,
+                "consume_timeout_ms" => config.consume_timeout = p.duration(Bare::Millis)?,
                 "start_from" => {
-                    config.start_from = match value {
-                        "earliest" => StartFrom::Earliest,
+                    config.start_from = match p.choice(&["earliest", "latest"])? {
                         "latest" => StartFrom::Latest,
-                        _ => return Err(bad("start_from must be earliest or latest")),
+                        _ => StartFrom::Earliest,
                     }
                 }
                 "dead_letter_topic" => {
-                    validate_name("dead_letter_topic", value, 127).map_err(|why| bad(&why))?;
-                    config.dead_letter_topic = Some(value.to_owned());
+                    validate_name("dead_letter_topic", &p.value, 127)
+                        .map_err(|why| p.error(why))?;
+                    config.dead_letter_topic = Some(p.value.clone());
                 }
-                other => return Err(bad(&format!("unknown parameter {other:?}"))),
+                _ => return Err(p.unknown()),
             }
         }
         if config.group.is_empty() {
-            return Err(bad("the group parameter is required (?group=NAME)"));
+            return Err(u.missing("group"));
         }
-        validate_name("group", &config.group, 255).map_err(|why| bad(&why))?;
+        validate_name("group", &config.group, 255).map_err(|why| u.error(why))?;
         Ok(config)
     }
 
@@ -1053,6 +1048,17 @@ mod tests {
         assert_eq!(c.name_server, "a:1;b:2");
         assert_eq!(c.tags, "*");
         assert_eq!(c.start_from, StartFrom::Earliest);
+        assert_eq!(c.consume_timeout, Duration::from_secs(15 * 60));
+        // The shared URL rules: percent-decoding and the CLI's durations.
+        let c =
+            RocketMqConfig::from_url("rocketmq://a:1/%25DLQ%25g?group=g%7Cx&consume_timeout=1m30s")
+                .unwrap();
+        assert_eq!(c.topic, "%DLQ%g");
+        assert_eq!(c.group, "g|x");
+        assert_eq!(c.consume_timeout, Duration::from_secs(90));
+        let c =
+            RocketMqConfig::from_url("rocketmq://a:1/t?group=g&consume_timeout_ms=2500").unwrap();
+        assert_eq!(c.consume_timeout, Duration::from_millis(2500));
     }
 
     #[test]
@@ -1068,11 +1074,18 @@ mod tests {
             "rocketmq://127.0.0.1:9876/payments?group=g&consume_threads=0",
             "rocketmq://127.0.0.1:9876/payments?group=g&start_from=middle",
             "rocketmq://127.0.0.1:9876/payments?group=g g",
+            "rocketmq://127.0.0.1:9876/a/b?group=g",
+            "rocketmq://127.0.0.1:9876/payments?group=g&consume_timeout=soon",
+            "rocketmq://127.0.0.1:9876/pay%zzments?group=g",
+            "rocketmq://user:secret@127.0.0.1:9876/payments?group=g",
         ] {
             assert!(
                 matches!(RocketMqConfig::from_url(url), Err(SourceError::Config(_))),
                 "{url} should be rejected"
             );
+            if let Err(e) = RocketMqConfig::from_url(url) {
+                assert!(!e.to_string().contains("secret"), "{e}");
+            }
         }
     }
 

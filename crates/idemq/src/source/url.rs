@@ -22,8 +22,9 @@
 //! - User, password, host, path and query names and values are
 //!   percent-decoded (`%2F` is `/`). A `%` not followed by two hex digits, or
 //!   a result that is not UTF-8, is an error. `+` is a plain `+`, not a space.
-//! - Durations ([`parse_duration`]) are a whole number with a unit `ms`, `s`,
-//!   `m` or `h`. **A bare number is seconds** ([`Bare::Seconds`]), except
+//! - Durations ([`parse_duration`]) are written as the CLI's flags are: one
+//!   or more whole numbers each with a unit `ms`, `s`, `m`, `h` or `d`
+//!   (`500ms`, `1m30s`, `7d`). **A bare number is seconds** ([`Bare::Seconds`]), except
 //!   where a source documents otherwise (Redis Streams keeps milliseconds, as
 //!   Redis itself counts; [`Bare::Millis`]).
 //! - Counts ([`parse_count`]) are whole numbers written with ASCII digits
@@ -289,27 +290,52 @@ impl Param<'_> {
     }
 }
 
-/// `value` of parameter `name` as a duration: a whole number with `ms`, `s`,
-/// `m` or `h`; a bare number counts as `bare` says.
+/// `value` of parameter `name` as a duration, written as the CLI's flags
+/// are: one or more whole numbers each with a unit `ms`, `s`, `m`, `h` or `d`
+/// (`500ms`, `30s`, `1m30s`, `7d`); a bare number counts as `bare` says.
 pub(crate) fn parse_duration(name: &str, value: &str, bare: Bare) -> Result<Duration, SourceError> {
     let bad = || {
         SourceError::Config(format!(
-            "{name} must be a duration such as 500ms, 30s, 2m or 1h, not {value:?}"
+            "{name} must be a duration such as 500ms, 30s, 1m30s, 2h or 7d, not {value:?}"
         ))
     };
-    let digits = value
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(value.len());
-    let (number, unit) = value.split_at(digits);
-    let n: u64 = number.parse().map_err(|_| bad())?;
-    let millis = match (unit, bare) {
-        ("ms", _) | ("", Bare::Millis) => Some(n),
-        ("s", _) | ("", Bare::Seconds) => n.checked_mul(1_000),
-        ("m", _) => n.checked_mul(60_000),
-        ("h", _) => n.checked_mul(3_600_000),
-        _ => None,
-    };
-    millis.map(Duration::from_millis).ok_or_else(bad)
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        let n: u64 = value.parse().map_err(|_| bad())?;
+        let millis = match bare {
+            Bare::Millis => Some(n),
+            Bare::Seconds => n.checked_mul(1_000),
+        };
+        return millis.map(Duration::from_millis).ok_or_else(bad);
+    }
+    if value.is_empty() {
+        return Err(bad());
+    }
+    let mut rest = value;
+    let mut millis: u64 = 0;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let scale: u64 = match &rest[..unit_len] {
+            "ms" => 1,
+            "s" => 1_000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            "d" => 86_400_000,
+            _ => return Err(bad()),
+        };
+        rest = &rest[unit_len..];
+        millis = n
+            .checked_mul(scale)
+            .and_then(|part| millis.checked_add(part))
+            .ok_or_else(bad)?;
+    }
+    Ok(Duration::from_millis(millis))
 }
 
 /// `value` of parameter `name` as a whole number (ASCII digits only) that
@@ -513,10 +539,18 @@ mod tests {
             assert_eq!(d("2s", bare).unwrap(), Duration::from_secs(2));
             assert_eq!(d("3m", bare).unwrap(), Duration::from_secs(180));
             assert_eq!(d("1h", bare).unwrap(), Duration::from_secs(3600));
+            assert_eq!(d("7d", bare).unwrap(), Duration::from_secs(7 * 86_400));
+            assert_eq!(d("1m30s", bare).unwrap(), Duration::from_secs(90));
+            assert_eq!(
+                d("1h2m3s4ms", bare).unwrap(),
+                Duration::from_millis(3_723_004)
+            );
             for bad in [
                 "",
                 "s",
-                "1d",
+                "1x",
+                "m1",
+                "1m30",
                 "1.5s",
                 "-1s",
                 " 1s",
@@ -530,7 +564,7 @@ mod tests {
         assert_eq!(d("3", Bare::Millis).unwrap(), Duration::from_millis(3));
         assert_eq!(
             config_text(d("soon", Bare::Seconds).unwrap_err()),
-            r#"x must be a duration such as 500ms, 30s, 2m or 1h, not "soon""#
+            r#"x must be a duration such as 500ms, 30s, 1m30s, 2h or 7d, not "soon""#
         );
     }
 
@@ -572,6 +606,6 @@ mod tests {
             r#"invalid Test URL "x://h?d=5&n=7&f=no&c=b&e=": c must be a or z, not "b""#
         );
         assert!(config_text(p[2].duration(Bare::Seconds).unwrap_err())
-            .ends_with(r#"f must be a duration such as 500ms, 30s, 2m or 1h, not "no""#));
+            .ends_with(r#"f must be a duration such as 500ms, 30s, 1m30s, 2h or 7d, not "no""#));
     }
 }
