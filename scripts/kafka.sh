@@ -81,6 +81,9 @@ transaction.state.log.num.partitions=4
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
+# Offset commits are written at once instead of lingering to batch them
+# (the default waits up to 5 ms per commit; one consumer commits per record).
+group.coordinator.append.linger.ms=0
 CONF
 
 JAVA_OPTS=(-Xms256m "-Xmx$HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError

@@ -108,12 +108,9 @@ start_mariadb() {
     mariadb-install-db --user=mysql --datadir=/var/lib/mysql >"$MY_RUN/install-db.log" 2>&1 ||
       { show_log MariaDB "$MY_RUN/install-db.log"; echo "services: mariadb-install-db failed" >&2; return 1; }
   fi
-  if ! pid_alive "$MY_PID"; then
-    echo "services: starting MariaDB (log $MY_LOG)"
-    spawn "$MY_PID" "$MY_LOG" /usr/sbin/mariadbd --user=mysql --datadir=/var/lib/mysql \
-      --bind-address=127.0.0.1 --port=3306 --socket=/run/mysqld/mysqld.sock \
-      --pid-file=/run/mysqld/mysqld.pid --log-error="$MY_RUN/error.log"
-  fi
+  spawn_unless_alive "services: MariaDB" "$MY_PID" "$MY_LOG" /usr/sbin/mariadbd --user=mysql \
+    --datadir=/var/lib/mysql --bind-address=127.0.0.1 --port=3306 \
+    --socket=/run/mysqld/mysqld.sock --pid-file=/run/mysqld/mysqld.pid --log-error="$MY_RUN/error.log"
 }
 ready_mariadb() {
   wait_until MariaDB 90 "$MY_PID" "$MY_RUN/error.log" my_socket_answers || return 1
@@ -140,11 +137,8 @@ rd_answers() { redis-cli -h 127.0.0.1 -p 6379 ping | grep -q PONG; }
 start_redis() {
   rd_answers >/dev/null 2>&1 && return 0
   mkdir -p "$RD_RUN"
-  if ! pid_alive "$RD_PID"; then
-    echo "services: starting Redis (log $RD_LOG)"
-    spawn "$RD_PID" "$RD_LOG" redis-server --bind 127.0.0.1 -::1 --port 6379 --save "" \
-      --appendonly no --dir "$RD_RUN" --daemonize no
-  fi
+  spawn_unless_alive "services: Redis" "$RD_PID" "$RD_LOG" redis-server --bind 127.0.0.1 -::1 \
+    --port 6379 --save "" --appendonly no --dir "$RD_RUN" --daemonize no
 }
 ready_redis() { wait_until Redis 30 "$RD_PID" "$RD_LOG" rd_answers; }
 
@@ -168,11 +162,9 @@ NODE_IP_ADDRESS=127.0.0.1
 SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
 CONF
   fi
-  if ! pid_alive "$RB_PID"; then
-    echo "services: starting RabbitMQ (log $RB_LOG)"
-    spawn "$RB_PID" "$RB_LOG" "${AS_RABBITMQ[@]}" env HOME=/var/lib/rabbitmq ERL_EPMD_ADDRESS=127.0.0.1 \
-      sh -c 'cd /var/lib/rabbitmq && exec /usr/lib/rabbitmq/bin/rabbitmq-server'
-  fi
+  spawn_unless_alive "services: RabbitMQ" "$RB_PID" "$RB_LOG" "${AS_RABBITMQ[@]}" \
+    env HOME=/var/lib/rabbitmq ERL_EPMD_ADDRESS=127.0.0.1 \
+    sh -c 'cd /var/lib/rabbitmq && exec /usr/lib/rabbitmq/bin/rabbitmq-server'
 }
 ready_rabbitmq() { wait_until RabbitMQ 120 "$RB_PID" "$RB_LOG" rb_answers; }
 
@@ -196,10 +188,7 @@ persistence true
 persistence_location /var/lib/mosquitto/
 log_dest stdout
 CONF
-  if ! pid_alive "$MQ_PID"; then
-    echo "services: starting Mosquitto (log $MQ_LOG)"
-    spawn "$MQ_PID" "$MQ_LOG" mosquitto -c "$MQ_RUN/mosquitto.conf"
-  fi
+  spawn_unless_alive "services: Mosquitto" "$MQ_PID" "$MQ_LOG" mosquitto -c "$MQ_RUN/mosquitto.conf"
 }
 ready_mosquitto() { wait_until Mosquitto 30 "$MQ_PID" "$MQ_LOG" mq_answers; }
 
@@ -211,10 +200,8 @@ nt_answers() { port_open 127.0.0.1 4222; }
 start_nats() {
   nt_answers >/dev/null 2>&1 && return 0
   mkdir -p "$NT_RUN/jetstream"
-  if ! pid_alive "$NT_PID"; then
-    echo "services: starting NATS with JetStream (log $NT_LOG)"
-    spawn "$NT_PID" "$NT_LOG" nats-server -a 127.0.0.1 -p 4222 -js -sd "$NT_RUN/jetstream"
-  fi
+  spawn_unless_alive "services: NATS with JetStream" "$NT_PID" "$NT_LOG" \
+    nats-server -a 127.0.0.1 -p 4222 -js -sd "$NT_RUN/jetstream"
 }
 ready_nats() { wait_until NATS 30 "$NT_PID" "$NT_LOG" nt_answers; }
 

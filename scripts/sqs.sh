@@ -45,11 +45,7 @@ if port_open "$HOST" "$PORT"; then
   exit 1
 fi
 
-if pid_alive "$PIDFILE"; then
-  echo "sqs: moto (pid $(live_pid "$PIDFILE")) is starting; waiting for it"
-else
-  echo "sqs: starting moto_server on http://$HOST:$PORT (log $LOG)"
-  spawn "$PIDFILE" "$LOG" "$VENV/bin/moto_server" -H "$HOST" -p "$PORT"
-fi
+spawn_unless_alive "sqs: moto_server on http://$HOST:$PORT" "$PIDFILE" "$LOG" \
+  "$VENV/bin/moto_server" -H "$HOST" -p "$PORT"
 wait_until "SQS (moto)" 60 "$PIDFILE" "$LOG" answers
 echo "sqs: moto answers on http://$HOST:$PORT"

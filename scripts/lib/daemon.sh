@@ -53,6 +53,19 @@ spawn() {
   echo "$pid $(proc_start_time "$pid")" >"$pidfile"
 }
 
+# spawn_unless_alive NAME PIDFILE LOG COMMAND...: spawns COMMAND (see spawn)
+# unless the process in PIDFILE is alive (then it is still starting).
+spawn_unless_alive() {
+  local name="$1" pidfile="$2" log="$3"
+  shift 3
+  if pid_alive "$pidfile"; then
+    echo "$name (pid $(live_pid "$pidfile")) is starting; waiting for it"
+  else
+    echo "starting $name (log $log)"
+    spawn "$pidfile" "$log" "$@"
+  fi
+}
+
 # stop_pid PIDFILE [SIGNAL] [SECONDS]: signals the process in PIDFILE (TERM by
 # default) and waits until it is gone (then KILL), if it is alive.
 stop_pid() {
