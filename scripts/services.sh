@@ -153,6 +153,7 @@ start_rabbitmq() {
   # One node name for the server and rabbitmqctl that needs no host name
   # lookup; loopback only (epmd too).
   local envconf=/etc/rabbitmq/rabbitmq-env.conf
+  mkdir -p /etc/rabbitmq
   if ! grep -q '^# idemq test service v2' "$envconf" 2>/dev/null; then
     sed -i '/^# idemq test service/,$d' "$envconf" 2>/dev/null || true
     cat >>"$envconf" <<'CONF'

@@ -653,12 +653,20 @@ impl CellRun<'_> {
                 if !live.is_empty() {
                     let n = live[rng.usize(..live.len())];
                     if let Some(mut child) = slots[n].child.take() {
-                        child.kill().context("killing a worker")?;
-                        child.wait().context("reaping a worker")?;
-                        cell.random_kills += 1;
-                        kill_at.pop_front();
-                        slots[n] = self.spawn(setup, n)?;
-                        cell.restarts += 1;
+                        if child.try_wait().context("waiting for a worker")?.is_some() {
+                            // It died (at a named point) or finished since the
+                            // reap above: the next reap handles it, and a later
+                            // tick kills a live worker. Killing it here would
+                            // count one death as two kills.
+                            slots[n].child = Some(child);
+                        } else {
+                            child.kill().context("killing a worker")?;
+                            child.wait().context("reaping a worker")?;
+                            cell.random_kills += 1;
+                            kill_at.pop_front();
+                            slots[n] = self.spawn(setup, n)?;
+                            cell.restarts += 1;
+                        }
                     }
                 }
             }

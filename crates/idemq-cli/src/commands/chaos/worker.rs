@@ -17,6 +17,10 @@ pub const KILL_ENV: &str = "IDEMQ_CHAOS_KILL";
 /// the point it kills itself at to, just before it does.
 pub const KILL_LOG_ENV: &str = "IDEMQ_CHAOS_KILL_LOG";
 
+/// Set by the first task that reaches an armed kill point in this process.
+#[cfg(feature = "failpoints")]
+static DYING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Parses `POINT:P,POINT:P,…` (P a probability in [0, 1]); the points are
 /// those of [`idemq::failpoint::NAMES`].
 pub fn parse_kill_points(text: &str) -> Result<Vec<(&'static str, f64)>, String> {
@@ -72,6 +76,13 @@ pub fn arm_kill_points() {
         let armed = fail::cfg_callback(name, move || {
             if fastrand::f64() >= probability {
                 return;
+            }
+            // One death, one line: a second task reaching a kill point while
+            // the first is killing the process neither logs nor kills (the
+            // runner counts one restart per death).
+            if DYING.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_secs(5));
+                std::process::abort();
             }
             if let Some(path) = &log {
                 // One short O_APPEND write: lines of concurrent workers do not mix.
