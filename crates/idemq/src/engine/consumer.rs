@@ -8,6 +8,7 @@ use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 
 use super::handler::{Context, FnHandler, Handler, HandlerResult};
+use super::lanes::LaneRelease;
 use crate::error::{ConfigError, HandlerError, InputError, StoreError};
 use crate::fingerprint::FingerprintSpec;
 use crate::key::KeySpec;
@@ -264,8 +265,15 @@ impl<S: Store> Consumer<S> {
     /// ack after commit (processed, duplicate), nack with a delay (retry
     /// later), or dead-letter and ack.
     pub async fn process(&self, delivery: Delivery) -> Outcome {
+        self.process_in_lane(delivery, LaneRelease::none()).await
+    }
+
+    /// [`process`](Self::process), releasing `lane` once the outcome is
+    /// decided and before the delivery is settled.
+    pub(crate) async fn process_in_lane(&self, delivery: Delivery, lane: LaneRelease) -> Outcome {
         let (message, meta, defect, acker) = delivery.into_parts();
         let outcome = self.decide(&message, &meta, defect).await;
+        lane.release(&outcome);
         self.settle(&outcome, acker).await;
         self.report(&outcome, &meta);
         outcome

@@ -19,6 +19,8 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use crate::outcome::Outcome;
+
 /// How the previous delivery of a key ended, as far as the next one cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LaneEnd {
@@ -124,6 +126,37 @@ impl Drop for LaneTicket {
         {
             tails.remove(&self.key);
         }
+    }
+}
+
+/// What a delivery's processing calls once its outcome is decided, before
+/// the delivery is settled with its source: the next delivery of the key
+/// may start then. Releasing before the settle matters: a nack can bring the
+/// same message straight back, and that redelivery must not queue behind
+/// (and be deferred by) its own earlier attempt.
+#[derive(Debug, Default)]
+pub(crate) struct LaneRelease(Option<LaneTicket>);
+
+impl LaneRelease {
+    /// Releases nothing (a delivery outside any lane).
+    pub(crate) fn none() -> Self {
+        Self(None)
+    }
+
+    /// Ends the lane ticket with how `outcome` ends for the next copy.
+    pub(crate) fn release(self, outcome: &Outcome) {
+        if let Some(ticket) = self.0 {
+            ticket.finish(match outcome {
+                Outcome::RetryLater { delay, .. } => LaneEnd::RetryLater(*delay),
+                _ => LaneEnd::Settled,
+            });
+        }
+    }
+}
+
+impl From<LaneTicket> for LaneRelease {
+    fn from(ticket: LaneTicket) -> Self {
+        Self(Some(ticket))
     }
 }
 

@@ -8,7 +8,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use super::consumer::Consumer;
-use super::lanes::{KeyLanes, LaneEnd};
+use super::lanes::{KeyLanes, LaneEnd, LaneRelease};
 use crate::error::SourceError;
 use crate::outcome::{Outcome, OutcomeKind, Summary};
 use crate::source::{Delivery, Source};
@@ -36,9 +36,9 @@ impl<S: Store> Consumer<S> {
         shutdown: impl Future<Output = ()>,
     ) -> Result<Summary, SourceError> {
         let consumer = self.clone();
-        self.run_with(source, shutdown, move |delivery| {
+        self.run_with(source, shutdown, move |delivery, lane| {
             let consumer = consumer.clone();
-            async move { consumer.process(delivery).await }
+            async move { consumer.process_in_lane(delivery, lane).await }
         })
         .await
     }
@@ -62,7 +62,7 @@ impl<S: Store> Consumer<S> {
         process: F,
     ) -> Result<Summary, SourceError>
     where
-        F: Fn(Delivery) -> Fut + Clone + Send + 'static,
+        F: Fn(Delivery, LaneRelease) -> Fut + Clone + Send + 'static,
         Fut: Future<Output = Outcome> + Send + 'static,
     {
         let concurrency = self.inner.concurrency;
@@ -95,29 +95,23 @@ impl<S: Store> Consumer<S> {
                     let process = process.clone();
                     let running = Arc::clone(&running);
                     tasks.spawn(async move {
+                        // The lane is released once the outcome is decided,
+                        // before the settle (see `LaneRelease`).
                         let outcome = match ticket {
                             None => {
                                 let _running = running.acquire_owned().await.ok();
-                                process(delivery).await
+                                process(delivery, LaneRelease::none()).await
                             }
-                            Some(mut ticket) => {
-                                let outcome = match ticket.wait().await {
-                                    Some(LaneEnd::RetryLater(delay)) => {
-                                        consumer.defer(delivery, delay).await
-                                    }
-                                    _ => {
-                                        let _running = running.acquire_owned().await.ok();
-                                        process(delivery).await
-                                    }
-                                };
-                                ticket.finish(match &outcome {
-                                    Outcome::RetryLater { delay, .. } => {
-                                        LaneEnd::RetryLater(*delay)
-                                    }
-                                    _ => LaneEnd::Settled,
-                                });
-                                outcome
-                            }
+                            Some(mut ticket) => match ticket.wait().await {
+                                Some(LaneEnd::RetryLater(delay)) => {
+                                    ticket.finish(LaneEnd::RetryLater(delay));
+                                    consumer.defer(delivery, delay).await
+                                }
+                                _ => {
+                                    let _running = running.acquire_owned().await.ok();
+                                    process(delivery, ticket.into()).await
+                                }
+                            },
                         };
                         drop(admission);
                         outcome.kind()

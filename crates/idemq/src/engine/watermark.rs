@@ -36,6 +36,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 use super::consumer::Consumer;
+use super::lanes::LaneRelease;
 use crate::error::{InputError, SourceError, StoreError};
 use crate::message::{DeliveryMeta, Message};
 use crate::outcome::{Outcome, Summary};
@@ -120,9 +121,13 @@ impl<S: OffsetStore> Consumer<S> {
             }))
             .await;
         let consumer = self.clone();
-        self.run_with(source, shutdown, move |delivery| {
+        self.run_with(source, shutdown, move |delivery, lane| {
             let consumer = consumer.clone();
-            async move { consumer.process_watermarked(delivery, options).await }
+            async move {
+                consumer
+                    .process_watermarked_in_lane(delivery, options, lane)
+                    .await
+            }
         })
         .await
     }
@@ -133,10 +138,23 @@ impl<S: OffsetStore> Consumer<S> {
         delivery: Delivery,
         options: WatermarkOptions,
     ) -> Outcome {
+        self.process_watermarked_in_lane(delivery, options, LaneRelease::none())
+            .await
+    }
+
+    /// [`process_watermarked`](Self::process_watermarked), releasing `lane`
+    /// once the outcome is decided and before the delivery is settled.
+    async fn process_watermarked_in_lane(
+        &self,
+        delivery: Delivery,
+        options: WatermarkOptions,
+        lane: LaneRelease,
+    ) -> Outcome {
         let (message, meta, defect, acker) = delivery.into_parts();
         let outcome = self
             .decide_watermarked(&message, &meta, defect, options)
             .await;
+        lane.release(&outcome);
         self.settle(&outcome, acker).await;
         self.report(&outcome, &meta);
         outcome
