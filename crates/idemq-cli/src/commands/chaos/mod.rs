@@ -210,6 +210,8 @@ struct Cell {
     new_id: u64,
     poison: usize,
     random_kills: u64,
+    /// Pids of the workers the runner killed at random.
+    randomly_killed: std::collections::HashSet<u32>,
     point_kills: BTreeMap<String, u64>,
     restarts: u64,
     outside_restarts: u64,
@@ -508,8 +510,18 @@ impl CellRun<'_> {
         cell.seconds = started.elapsed().as_secs_f64();
         check(&store, &setup.table, &setup.consumer, &plan, &mut cell).await?;
         if let Ok(text) = std::fs::read_to_string(&setup.kill_log) {
+            // One death, one kill: each line is "POINT PID"; a pid counts
+            // once, and not at all when the runner's random kill reached it
+            // first (then the death is already counted as random).
+            let mut dead = cell.randomly_killed.clone();
             for line in text.lines().filter(|l| !l.is_empty()) {
-                *cell.point_kills.entry(line.to_owned()).or_insert(0) += 1;
+                let (point, pid) = line.split_once(' ').unwrap_or((line, ""));
+                if let Ok(pid) = pid.parse::<u32>() {
+                    if !dead.insert(pid) {
+                        continue;
+                    }
+                }
+                *cell.point_kills.entry(point.to_owned()).or_insert(0) += 1;
             }
         }
         Ok(cell)
@@ -660,6 +672,7 @@ impl CellRun<'_> {
                             // count one death as two kills.
                             slots[n].child = Some(child);
                         } else {
+                            cell.randomly_killed.insert(child.id());
                             child.kill().context("killing a worker")?;
                             child.wait().context("reaping a worker")?;
                             cell.random_kills += 1;

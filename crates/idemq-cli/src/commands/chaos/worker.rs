@@ -54,7 +54,7 @@ pub fn parse_kill_points(text: &str) -> Result<Vec<(&'static str, f64)>, String>
 
 /// In a worker built with the `failpoints` feature: arms every point named
 /// in `IDEMQ_CHAOS_KILL` with a callback that, with the given probability,
-/// appends the point's name to `IDEMQ_CHAOS_KILL_LOG` and sends SIGKILL to
+/// appends "POINT PID" to `IDEMQ_CHAOS_KILL_LOG` and sends SIGKILL to
 /// this process. Does nothing when the variable is unset.
 #[cfg(feature = "failpoints")]
 pub fn arm_kill_points() {
@@ -91,7 +91,7 @@ pub fn arm_kill_points() {
                     .append(true)
                     .open(path)
                 {
-                    let _ = file.write_all(format!("{name}\n").as_bytes());
+                    let _ = file.write_all(format!("{name} {}\n", std::process::id()).as_bytes());
                 }
             }
             // SAFETY: kill(2) and getpid(2) have no memory-safety preconditions.
