@@ -8,7 +8,7 @@
 #
 #   scripts/ci-fresh.sh --yes-purge > /tmp/ci-fresh.log 2>&1
 set -uo pipefail
-[ "${1:-}" = --yes-purge ] || { sed -n '2,10p' "$0"; exit 2; }
+[ "${1:-}" = --yes-purge ] || { sed -n '2,8p' "$0"; exit 2; }
 cd "$(dirname "$0")/.."
 repo="$(pwd)"
 # shellcheck source=scripts/lib/daemon.sh
