@@ -5,9 +5,13 @@
 #
 #   scripts/chaos.sh            the short matrix: every source × PostgreSQL,
 #                               plus the JSON-lines file × every other store
-#                               and RabbitMQ × every other store
-#   scripts/chaos.sh --full     every source × every store (32 cells)
-#   scripts/chaos.sh --cells 'jsonl:sqlite amqp:redis'   chosen cells
+#                               and RabbitMQ × every other store, plus batch
+#                               mode (JSON lines, RabbitMQ) and
+#                               offset-watermark mode (Kafka) × PostgreSQL
+#   scripts/chaos.sh --full     every source × every store (32 cells), plus
+#                               the batch and watermark cells × every SQL store
+#   scripts/chaos.sh --cells 'jsonl:sqlite amqp:redis kafka:mysql:watermark'
+#                               chosen cells (SOURCE:STORE[:batch|:watermark])
 #
 # Four cells also restart their database or broker once mid-run (see
 # restart_args; CHAOS_RESTARTS=0 turns that off).
@@ -32,7 +36,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --full) mode=full ;;
     --cells) cells="$2"; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "chaos.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -91,6 +95,16 @@ restart_args() {
   esac
 }
 
+# Per cell mode: the consume mode of its workers (per-message by default).
+mode_args() {
+  case "$1" in
+    "") ;;
+    batch) echo "--batch 20" ;;
+    watermark) echo "--watermark" ;;
+    *) echo "chaos.sh: unknown mode $1" >&2; return 1 ;;
+  esac
+}
+
 store_url() {
   case "$1" in
     sqlite) echo "sqlite://$DIR/chaos.db" ;;
@@ -106,9 +120,13 @@ STORES="sqlite postgres mysql redis"
 if [ -z "$cells" ]; then
   if [ "$mode" = full ]; then
     for st in $STORES; do for so in $SOURCES; do cells="$cells $so:$st"; done; done
+    for st in sqlite postgres mysql; do
+      cells="$cells jsonl:$st:batch amqp:$st:batch kafka:$st:watermark"
+    done
   else
     for so in $SOURCES; do cells="$cells $so:postgres"; done
     for st in sqlite mysql redis; do cells="$cells jsonl:$st amqp:$st"; done
+    cells="$cells jsonl:postgres:batch amqp:postgres:batch kafka:postgres:watermark"
   fi
 fi
 
@@ -117,10 +135,10 @@ echo "chaos: $MESSAGES orders, $WORKERS workers, $KILLS random kills per cell; w
 failed=0
 started=$(date +%s)
 for cell in $cells; do
-  so="${cell%%:*}"
-  st="${cell#*:}"
+  IFS=: read -r so st cell_mode <<<"$cell"
   src=$(source_url "$so") || { failed=1; continue; }
   store=$(store_url "$st") || { failed=1; continue; }
+  modeflags=$(mode_args "${cell_mode:-}") || { failed=1; continue; }
   msgs="$MESSAGES"
   if [ "$so" = sqs ]; then msgs="${CHAOS_SQS_MESSAGES:-300}"; fi
   t0=$(date +%s)
@@ -132,9 +150,9 @@ for cell in $cells; do
   # shellcheck disable=SC2086
   "$BIN" --store "$store" chaos --source "$src" --messages "$msgs" \
     --kills "$KILLS" --workers "$WORKERS" --work-dir "$DIR" --report "$REPORT" \
-    $(source_args "$so") "${restart[@]}" ${CHAOS_ARGS:-}
+    $(source_args "$so") $modeflags "${restart[@]}" ${CHAOS_ARGS:-}
   code=$?
-  echo "chaos: cell $so × $st: exit $code in $(( $(date +%s) - t0 )) s"
+  echo "chaos: cell $so × $st${cell_mode:+ ($cell_mode)}: exit $code in $(( $(date +%s) - t0 )) s"
   if [ $code -ne 0 ]; then
     failed=1
     if [ $code -ne 4 ]; then
@@ -143,7 +161,7 @@ for cell in $cells; do
         echo "| source | store | messages | dup same id | dup new id | poison | kills random | after_claim | after_handler | before_commit | after_commit_before_ack | restarts | db/broker restarts | double effects | lost | dead letters | seconds | result |" >"$REPORT"
         echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" >>"$REPORT"
       fi
-      echo "| $so | $st | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - | ERROR (exit $code) |" >>"$REPORT"
+      echo "| $so${cell_mode:+/$cell_mode} | $st | - | - | - | - | - | - | - | - | - | - | - | - | - | - | - | ERROR (exit $code) |" >>"$REPORT"
     fi
   fi
 done

@@ -8,11 +8,11 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use anyhow::Result;
-use idemq::engine::BatchOptions;
+use idemq::engine::{BatchOptions, WatermarkOptions};
 use idemq::source::Source;
 use idemq::store::{Store, StoreAdmin};
 use idemq::template::Placeholder;
-use idemq::{Consumer, SourceError, StoreError, Summary};
+use idemq::{Consumer, SourceError, StoreError, StoreErrorKind, Summary};
 
 use crate::exit;
 use crate::sink::{BoxedHandler, SqlStatement};
@@ -159,23 +159,49 @@ pub trait Backend: Store + StoreAdmin + Sized {
     /// which then take no `--apply-sql` or `--init-sql`.
     const SQL: Option<SqlDialect>;
 
-    /// Runs one statement outside any transaction (`--init-sql`).
-    async fn execute_raw(&self, sql: &str) -> Result<(), sqlx::Error>;
-
-    /// Prepares a statement without running it, to validate it up front.
-    async fn prepare(&self, sql: &str) -> Result<(), sqlx::Error>;
+    /// The store's SQL side (`--init-sql`, checking `--apply-sql`); `None`
+    /// (the default) for stores that are not SQL databases.
+    fn as_sql(&self) -> Option<&dyn SqlAdmin> {
+        None
+    }
 
     /// The `--apply-sql` handler for this database's transactions (SQL stores).
     fn sql_handler(statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>>;
 
     /// Runs `source` in batches (`--batch`), if the store can claim batches
-    /// in one transaction; `None` if it cannot.
+    /// in one transaction or round trip; `None` (the default) if it cannot.
     async fn run_batched(
         consumer: &Consumer<Self>,
         source: Box<dyn Source>,
         options: BatchOptions,
         shutdown: ShutdownSignal<'_>,
-    ) -> Option<Result<Summary, SourceError>>;
+    ) -> Option<Result<Summary, SourceError>> {
+        let _ = (consumer, source, options, shutdown);
+        None
+    }
+
+    /// Runs `source` in offset-watermark mode (`--watermark`), if the store
+    /// keeps offset watermarks in its transactions; `None` (the default) if
+    /// it cannot.
+    async fn run_watermarked(
+        consumer: &Consumer<Self>,
+        source: Box<dyn Source>,
+        options: WatermarkOptions,
+        shutdown: ShutdownSignal<'_>,
+    ) -> Option<Result<Summary, SourceError>> {
+        let _ = (consumer, source, options, shutdown);
+        None
+    }
+}
+
+/// What the CLI does with a SQL store's own database, outside the inbox.
+#[async_trait::async_trait]
+pub trait SqlAdmin: Send + Sync {
+    /// Runs one statement outside any transaction (`--init-sql`).
+    async fn execute_raw(&self, sql: &str) -> Result<(), sqlx::Error>;
+
+    /// Prepares a statement without running it, to validate it up front.
+    async fn prepare(&self, sql: &str) -> Result<(), sqlx::Error>;
 }
 
 /// The future that ends a run (Ctrl-C).
@@ -185,45 +211,21 @@ pub type ShutdownSignal<'a> = std::pin::Pin<Box<dyn std::future::Future<Output =
 impl<B: Backend + Clone> Backend for idemq::store::cache::CachedStore<B> {
     const SQL: Option<SqlDialect> = B::SQL;
 
-    async fn execute_raw(&self, sql: &str) -> Result<(), sqlx::Error> {
-        self.inner().execute_raw(sql).await
-    }
-
-    async fn prepare(&self, sql: &str) -> Result<(), sqlx::Error> {
-        self.inner().prepare(sql).await
+    fn as_sql(&self) -> Option<&dyn SqlAdmin> {
+        self.inner().as_sql()
     }
 
     fn sql_handler(statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
         B::sql_handler(statement)
     }
 
-    /// The cache wraps single claims only.
-    async fn run_batched(
-        _consumer: &Consumer<Self>,
-        _source: Box<dyn Source>,
-        _options: BatchOptions,
-        _shutdown: ShutdownSignal<'_>,
-    ) -> Option<Result<Summary, SourceError>> {
-        None
-    }
+    // The cache wraps single key claims: no batch or watermark mode.
 }
 
 /// The Redis lease store: no SQL; handlers get a lease with a fencing token.
 #[cfg(feature = "redis")]
 impl Backend for idemq::store::redis::RedisStore {
     const SQL: Option<SqlDialect> = None;
-
-    async fn execute_raw(&self, _sql: &str) -> Result<(), sqlx::Error> {
-        Err(sqlx::Error::Configuration(
-            "redis:// is not a SQL store".into(),
-        ))
-    }
-
-    async fn prepare(&self, _sql: &str) -> Result<(), sqlx::Error> {
-        Err(sqlx::Error::Configuration(
-            "redis:// is not a SQL store".into(),
-        ))
-    }
 
     fn sql_handler(_statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
         None
@@ -238,24 +240,33 @@ impl Backend for idemq::store::redis::RedisStore {
     ) -> Option<Result<Summary, SourceError>> {
         Some(consumer.run_batched_until(source, options, shutdown).await)
     }
+
+    // No watermark mode: Redis keeps no offsets in a transaction with the effects.
 }
 
 /// Implements [`Backend`] for one SQL store over its sqlx database; the
 /// bodies are the generic functions of [`crate::sink`].
 macro_rules! sql_backend {
     ($store:ty, $db:ty, $placeholder:expr, $cache:expr) => {
-        impl Backend for $store {
-            const SQL: Option<SqlDialect> = Some(SqlDialect {
-                placeholder: $placeholder,
-                cache_statements: $cache,
-            });
-
+        #[async_trait::async_trait]
+        impl SqlAdmin for $store {
             async fn execute_raw(&self, sql: &str) -> Result<(), sqlx::Error> {
                 crate::sink::execute_raw(self.pool(), sql).await
             }
 
             async fn prepare(&self, sql: &str) -> Result<(), sqlx::Error> {
                 crate::sink::prepare(self.pool(), sql).await
+            }
+        }
+
+        impl Backend for $store {
+            const SQL: Option<SqlDialect> = Some(SqlDialect {
+                placeholder: $placeholder,
+                cache_statements: $cache,
+            });
+
+            fn as_sql(&self) -> Option<&dyn SqlAdmin> {
+                Some(self)
             }
 
             fn sql_handler(statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
@@ -269,6 +280,19 @@ macro_rules! sql_backend {
                 shutdown: ShutdownSignal<'_>,
             ) -> Option<Result<Summary, SourceError>> {
                 Some(consumer.run_batched_until(source, options, shutdown).await)
+            }
+
+            async fn run_watermarked(
+                consumer: &Consumer<Self>,
+                source: Box<dyn Source>,
+                options: WatermarkOptions,
+                shutdown: ShutdownSignal<'_>,
+            ) -> Option<Result<Summary, SourceError>> {
+                Some(
+                    consumer
+                        .run_watermarked_until(source, options, shutdown)
+                        .await,
+                )
             }
         }
     };
@@ -298,9 +322,9 @@ sql_backend!(
 
 /// A store connection error: a bad table prefix or URL is a usage error.
 pub fn connect_error(url: &StoreUrl, err: StoreError) -> anyhow::Error {
-    match err {
-        StoreError::Config(_) => exit::usage(err),
-        other => anyhow::Error::new(other).context(format!("cannot connect to {url}")),
+    match err.kind() {
+        StoreErrorKind::Config => exit::usage(err),
+        _ => anyhow::Error::new(err).context(format!("cannot connect to {url}")),
     }
 }
 

@@ -9,8 +9,9 @@ use std::str::FromStr;
 use anyhow::{Context, Result};
 use async_trait::async_trait;
 use idemq::source::jsonl::JsonLinesSource;
+use idemq::source::registry::{self, Broker};
 use idemq::source::{Publisher, Source};
-use idemq::{KeySpec, Message, SourceError};
+use idemq::{KeySpec, Message, SourceError, SourceErrorKind};
 use tokio::io::AsyncWriteExt;
 
 /// A parsed source or destination.
@@ -20,27 +21,13 @@ pub enum Endpoint {
     File(PathBuf),
     /// `-`: stdin (consume) or stdout (produce).
     Std,
-    /// `kafka://host:port/topic?group=NAME`.
-    #[cfg(feature = "kafka")]
-    Kafka(String),
-    /// `amqp://user:pass@host:port/vhost?queue=NAME`.
-    #[cfg(feature = "amqp")]
-    Amqp(String),
-    /// `sqs://queue?endpoint=…&region=…`.
-    #[cfg(feature = "sqs")]
-    Sqs(String),
-    /// `nats://host:4222/STREAM/CONSUMER?subject=…`.
-    #[cfg(feature = "nats")]
-    Nats(String),
-    /// `redis-stream://host:6379/STREAM?group=NAME`.
-    #[cfg(feature = "redis-streams")]
-    RedisStream(String),
-    /// `mqtt://host:1883/TOPIC?client_id=ID`.
-    #[cfg(feature = "mqtt")]
-    Mqtt(String),
-    /// `rocketmq://namesrv:9876/TOPIC?group=NAME`.
-    #[cfg(feature = "rocketmq")]
-    RocketMq(String),
+    /// A broker URL; the registry found its broker by the scheme.
+    Broker {
+        /// The broker.
+        broker: &'static Broker,
+        /// The URL as given.
+        url: String,
+    },
 }
 
 impl fmt::Display for Endpoint {
@@ -48,20 +35,7 @@ impl fmt::Display for Endpoint {
         match self {
             Endpoint::File(path) => write!(f, "{}", path.display()),
             Endpoint::Std => f.write_str("-"),
-            #[cfg(feature = "kafka")]
-            Endpoint::Kafka(url) => f.write_str(url),
-            #[cfg(feature = "amqp")]
-            Endpoint::Amqp(url) => f.write_str(&crate::backend::redact(url)),
-            #[cfg(feature = "sqs")]
-            Endpoint::Sqs(url) => f.write_str(url),
-            #[cfg(feature = "nats")]
-            Endpoint::Nats(url) => f.write_str(&crate::backend::redact(url)),
-            #[cfg(feature = "redis-streams")]
-            Endpoint::RedisStream(url) => f.write_str(&crate::backend::redact(url)),
-            #[cfg(feature = "mqtt")]
-            Endpoint::Mqtt(url) => f.write_str(&crate::backend::redact(url)),
-            #[cfg(feature = "rocketmq")]
-            Endpoint::RocketMq(url) => f.write_str(url),
+            Endpoint::Broker { url, .. } => f.write_str(&crate::backend::redact(url)),
         }
     }
 }
@@ -69,77 +43,46 @@ impl fmt::Display for Endpoint {
 impl FromStr for Endpoint {
     type Err = String;
 
+    /// Only the scheme is looked at here: the URL itself is parsed when it
+    /// is opened, so that clap never echoes a URL (and its password) back.
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         if text == "-" {
             return Ok(Endpoint::Std);
         }
-        let Some((scheme, _)) = text.split_once("://") else {
-            return Ok(Endpoint::File(PathBuf::from(text)));
-        };
-        match scheme.to_ascii_lowercase().as_str() {
-            "kafka" => {
-                #[cfg(feature = "kafka")]
-                return Ok(Endpoint::Kafka(text.to_owned()));
-                #[cfg(not(feature = "kafka"))]
-                return Err(crate::backend::compiled_out("Kafka", "kafka"));
-            }
-            "amqp" | "amqps" => {
-                #[cfg(feature = "amqp")]
-                return Ok(Endpoint::Amqp(text.to_owned()));
-                #[cfg(not(feature = "amqp"))]
-                return Err(crate::backend::compiled_out("RabbitMQ", "amqp"));
-            }
-            "sqs" => {
-                #[cfg(feature = "sqs")]
-                return Ok(Endpoint::Sqs(text.to_owned()));
-                #[cfg(not(feature = "sqs"))]
-                return Err(crate::backend::compiled_out("SQS", "sqs"));
-            }
-            "nats" => {
-                #[cfg(feature = "nats")]
-                return Ok(Endpoint::Nats(text.to_owned()));
-                #[cfg(not(feature = "nats"))]
-                return Err(crate::backend::compiled_out("NATS", "nats"));
-            }
-            "redis-stream" => {
-                #[cfg(feature = "redis-streams")]
-                return Ok(Endpoint::RedisStream(text.to_owned()));
-                #[cfg(not(feature = "redis-streams"))]
-                return Err(crate::backend::compiled_out("Redis Streams", "redis-streams"));
-            }
-            "mqtt" => {
-                #[cfg(feature = "mqtt")]
-                return Ok(Endpoint::Mqtt(text.to_owned()));
-                #[cfg(not(feature = "mqtt"))]
-                return Err(crate::backend::compiled_out("MQTT", "mqtt"));
-            }
-            "rocketmq" => {
-                #[cfg(feature = "rocketmq")]
-                return Ok(Endpoint::RocketMq(text.to_owned()));
-                #[cfg(not(feature = "rocketmq"))]
-                return Err(crate::backend::compiled_out("RocketMQ", "rocketmq"));
-            }
-            "file" => Ok(Endpoint::File(PathBuf::from(&text["file://".len()..]))),
-            other => Err(format!(
-                "unknown scheme {other:?}: expected a file path, `-`, kafka://, amqp://, sqs://, nats://, \
-                 redis-stream://, mqtt:// or rocketmq://"
-            )),
+        match registry::lookup(text).map_err(|e| e.to_string())? {
+            Some(broker) => Ok(Endpoint::Broker {
+                broker,
+                url: text.to_owned(),
+            }),
+            None => Ok(Endpoint::File(PathBuf::from(
+                text.strip_prefix("file://").unwrap_or(text),
+            ))),
         }
     }
 }
 
 impl Endpoint {
-    /// The key spec `consume` uses when `--key` is not given: Kafka's
-    /// `event_id` header, else the record key; RocketMQ's message keys, else
-    /// the producer's unique id; elsewhere the transport key, else the
-    /// message id.
-    pub fn default_key(&self) -> KeySpec {
+    /// The broker behind the endpoint; `None` for files and `-`.
+    pub fn broker(&self) -> Option<&'static Broker> {
         match self {
-            #[cfg(feature = "kafka")]
-            Endpoint::Kafka(_) => idemq::source::kafka::default_key_spec(),
-            #[cfg(feature = "rocketmq")]
-            Endpoint::RocketMq(_) => idemq::source::rocketmq::default_key_spec(),
-            _ => KeySpec::transport_key().or(KeySpec::id()),
+            Endpoint::Broker { broker, .. } => Some(broker),
+            Endpoint::File(_) | Endpoint::Std => None,
+        }
+    }
+
+    /// Whether offset-watermark mode (`--watermark`) can consume it.
+    pub fn supports_watermarks(&self) -> bool {
+        self.broker().is_some_and(|broker| broker.watermarks)
+    }
+
+    /// The key spec `consume` uses when `--key` is not given: the broker's
+    /// default (Kafka's `event_id` header, else the record key; RocketMQ's
+    /// message keys, else the producer's unique id); elsewhere the
+    /// transport key, else the message id.
+    pub fn default_key(&self) -> KeySpec {
+        match self.broker() {
+            Some(broker) => (broker.default_key)(),
+            None => registry::transport_key_or_id(),
         }
     }
 
@@ -166,60 +109,7 @@ impl Endpoint {
                     .with_context(|| format!("opening {}", path.display()))?;
                 Ok(Box::new(source))
             }
-            #[cfg(feature = "kafka")]
-            Endpoint::Kafka(url) => {
-                use idemq::source::kafka::{KafkaConfig, KafkaSource};
-                let config = KafkaConfig::from_url(url).map_err(crate::exit::usage)?;
-                Ok(Box::new(
-                    connected(self, KafkaSource::connect(config)).await?,
-                ))
-            }
-            #[cfg(feature = "amqp")]
-            Endpoint::Amqp(url) => {
-                use idemq::source::amqp::{AmqpConfig, AmqpSource};
-                let config = AmqpConfig::from_url(url).map_err(crate::exit::usage)?;
-                Ok(Box::new(
-                    connected(self, AmqpSource::connect(config)).await?,
-                ))
-            }
-            #[cfg(feature = "sqs")]
-            Endpoint::Sqs(url) => {
-                use idemq::source::sqs::{SqsConfig, SqsSource};
-                let config = SqsConfig::from_url(url).map_err(crate::exit::usage)?;
-                Ok(Box::new(connected(self, SqsSource::connect(config)).await?))
-            }
-            #[cfg(feature = "nats")]
-            Endpoint::Nats(url) => {
-                use idemq::source::nats::{NatsConfig, NatsSource};
-                let config = NatsConfig::from_url(url).map_err(crate::exit::usage)?;
-                Ok(Box::new(
-                    connected(self, NatsSource::connect(config)).await?,
-                ))
-            }
-            #[cfg(feature = "redis-streams")]
-            Endpoint::RedisStream(url) => {
-                use idemq::source::redis_stream::{RedisStreamConfig, RedisStreamSource};
-                let config = RedisStreamConfig::from_url(url).map_err(crate::exit::usage)?;
-                Ok(Box::new(
-                    connected(self, RedisStreamSource::connect(config)).await?,
-                ))
-            }
-            #[cfg(feature = "mqtt")]
-            Endpoint::Mqtt(url) => {
-                use idemq::source::mqtt::{MqttConfig, MqttSource};
-                let config = MqttConfig::from_url(url).map_err(crate::exit::usage)?;
-                Ok(Box::new(
-                    connected(self, MqttSource::connect(config)).await?,
-                ))
-            }
-            #[cfg(feature = "rocketmq")]
-            Endpoint::RocketMq(url) => {
-                use idemq::source::rocketmq::{RocketMqConfig, RocketMqSource};
-                let config = RocketMqConfig::from_url(url).map_err(crate::exit::usage)?;
-                Ok(Box::new(
-                    connected(self, RocketMqSource::connect(config)).await?,
-                ))
-            }
+            Endpoint::Broker { broker, url } => connected(self, (broker.open_source)(url)).await,
         }
     }
 
@@ -233,111 +123,24 @@ impl Endpoint {
                     .await
                     .with_context(|| format!("opening {}", path.display()))?,
             )),
-            #[cfg(feature = "kafka")]
-            Endpoint::Kafka(url) => {
-                use idemq::source::kafka::{KafkaConfig, KafkaPublisher};
-                // A producer belongs to no consumer group: the URL may omit it.
-                let url = with_default_param(url, "group", "idemq-produce");
-                let config = KafkaConfig::from_url(&url).map_err(crate::exit::usage)?;
-                if let Some(partitions) = config.create_partitions {
-                    idemq::source::kafka::create_topic(&config.brokers, &config.topic, partitions)
-                        .await
-                        .with_context(|| format!("creating the topic of {self}"))?;
-                }
-                Ok(Box::new(
-                    connected(
-                        self,
-                        KafkaPublisher::connect(&config.brokers, &config.topic),
-                    )
-                    .await?,
-                ))
-            }
-            #[cfg(feature = "amqp")]
-            Endpoint::Amqp(url) => {
-                use idemq::source::amqp::{AmqpConfig, AmqpPublisher};
-                let config = AmqpConfig::from_url(url).map_err(crate::exit::usage)?;
-                Ok(Box::new(
-                    connected(self, AmqpPublisher::connect(config)).await?,
-                ))
-            }
-            #[cfg(feature = "sqs")]
-            Endpoint::Sqs(url) => {
-                use idemq::source::sqs::{SqsConfig, SqsPublisher};
-                let config = SqsConfig::from_url(url).map_err(crate::exit::usage)?;
-                Ok(Box::new(
-                    connected(self, SqsPublisher::connect(config)).await?,
-                ))
-            }
-            #[cfg(feature = "nats")]
-            Endpoint::Nats(url) => {
-                use idemq::source::nats::{NatsConfig, NatsPublisher};
-                let config = NatsConfig::from_url(url).map_err(crate::exit::usage)?;
-                Ok(Box::new(
-                    connected(self, NatsPublisher::connect(config)).await?,
-                ))
-            }
-            #[cfg(feature = "redis-streams")]
-            Endpoint::RedisStream(url) => {
-                use idemq::source::redis_stream::{RedisStreamConfig, RedisStreamPublisher};
-                // A producer belongs to no consumer group: the URL may omit it.
-                let url = with_default_param(url, "group", "idemq-produce");
-                let config = RedisStreamConfig::from_url(&url).map_err(crate::exit::usage)?;
-                Ok(Box::new(
-                    connected(self, RedisStreamPublisher::connect(&config)).await?,
-                ))
-            }
-            #[cfg(feature = "mqtt")]
-            Endpoint::Mqtt(url) => {
-                use idemq::source::mqtt::{MqttConfig, MqttPublisher};
-                let client = format!("idemq-produce-{}", std::process::id());
-                let url = with_default_param(url, "client_id", &client);
-                let config = MqttConfig::from_url(&url).map_err(crate::exit::usage)?;
-                Ok(Box::new(
-                    connected(self, MqttPublisher::connect(&config)).await?,
-                ))
-            }
-            #[cfg(feature = "rocketmq")]
-            Endpoint::RocketMq(url) => {
-                use idemq::source::rocketmq::RocketMqPublisher;
-                Ok(Box::new(
-                    connected(self, RocketMqPublisher::from_url(url)).await?,
-                ))
-            }
+            Endpoint::Broker { broker, url } => connected(self, (broker.open_publisher)(url)).await,
         }
     }
 }
 
-/// Waits for a broker client to connect; a failure names the endpoint.
-#[cfg(any(
-    feature = "kafka",
-    feature = "amqp",
-    feature = "sqs",
-    feature = "nats",
-    feature = "redis-streams",
-    feature = "mqtt",
-    feature = "rocketmq"
-))]
+/// Waits for a broker client to connect: a bad URL is a usage error, a
+/// failure to connect names the endpoint.
 async fn connected<T>(
     endpoint: &Endpoint,
     connecting: impl std::future::Future<Output = Result<T, SourceError>>,
 ) -> Result<T> {
-    connecting
-        .await
-        .with_context(|| format!("connecting to {endpoint}"))
-}
-
-/// `url` with `name=value` added to its query unless it already sets `name`.
-#[allow(dead_code)] // unused in builds without the brokers that need it
-fn with_default_param(url: &str, name: &str, value: &str) -> String {
-    let query = url.split_once('?').map_or("", |(_, q)| q);
-    if query
-        .split('&')
-        .any(|pair| pair.split('=').next() == Some(name))
-    {
-        return url.to_owned();
-    }
-    let sep = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{sep}{name}={value}")
+    connecting.await.map_err(|err| {
+        if err.kind() == SourceErrorKind::Config {
+            crate::exit::usage(err)
+        } else {
+            anyhow::Error::new(err).context(format!("connecting to {endpoint}"))
+        }
+    })
 }
 
 /// `<FILE>.<consumer>.checkpoint`, with characters unsafe in file names replaced.
@@ -436,26 +239,6 @@ mod tests {
         assert_eq!(
             checkpoint_path(Path::new("in.jsonl"), "a/b c"),
             PathBuf::from("in.jsonl.a_b_c.checkpoint")
-        );
-    }
-
-    #[test]
-    fn default_params_do_not_override() {
-        assert_eq!(
-            with_default_param("k://h/t", "group", "g"),
-            "k://h/t?group=g"
-        );
-        assert_eq!(
-            with_default_param("k://h/t?a=1", "group", "g"),
-            "k://h/t?a=1&group=g"
-        );
-        assert_eq!(
-            with_default_param("k://h/t?group=x", "group", "g"),
-            "k://h/t?group=x"
-        );
-        assert_eq!(
-            with_default_param("k://h/t?mygroup=x", "group", "g"),
-            "k://h/t?mygroup=x&group=g"
         );
     }
 

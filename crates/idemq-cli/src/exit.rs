@@ -43,10 +43,9 @@ pub fn code_for(err: &anyhow::Error) -> u8 {
     let is_usage = err.chain().any(|cause| {
         cause.is::<UsageError>()
             || cause.is::<idemq::ConfigError>()
-            || matches!(
-                cause.downcast_ref::<idemq::StoreError>(),
-                Some(idemq::StoreError::Config(_))
-            )
+            || cause
+                .downcast_ref::<idemq::StoreError>()
+                .is_some_and(|e| e.kind() == idemq::StoreErrorKind::Config)
     });
     if is_usage {
         USAGE

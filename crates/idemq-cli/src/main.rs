@@ -262,6 +262,20 @@ struct ConsumeArgs {
     #[arg(long, default_value = "20ms", value_name = "DURATION", value_parser = humantime::parse_duration)]
     batch_wait: Duration,
 
+    /// Offset-watermark mode (kafka:// into a SQL store): instead of one inbox
+    /// row per message, the store keeps the next offset to apply per
+    /// partition, moved in the same transaction as the effects, and the
+    /// source resumes each partition there. Catches redeliveries of the same
+    /// record; add --dedup-keys to catch producer retries (a new record with
+    /// the same key) as well.
+    #[arg(long, conflicts_with = "batch")]
+    watermark: bool,
+
+    /// Offset-watermark mode: also claim the business key in the same
+    /// transaction (one inbox row per key again; prune it as usual).
+    #[arg(long, requires = "watermark")]
+    dedup_keys: bool,
+
     /// Keep up to N recently completed keys in memory and answer their
     /// duplicates without a store round trip (0: off).
     #[arg(long, default_value_t = 0, value_name = "N")]

@@ -367,17 +367,20 @@ pub async fn init<B: Backend>(
     args: &SinkArgs,
     statement: Option<&SqlStatement>,
 ) -> Result<()> {
-    if B::SQL.is_none() && !args.init_sql.is_empty() {
-        return Err(not_sql("--init-sql"));
-    }
-    for sql in &args.init_sql {
-        store
-            .execute_raw(sql)
+    let sql = store.as_sql();
+    let Some(sql) = sql else {
+        if !args.init_sql.is_empty() {
+            return Err(not_sql("--init-sql"));
+        }
+        return Ok(());
+    };
+    for init in &args.init_sql {
+        sql.execute_raw(init)
             .await
-            .map_err(|e| classify(e, &format!("--init-sql {sql:?} failed")))?;
+            .map_err(|e| classify(e, &format!("--init-sql {init:?} failed")))?;
     }
     if let Some(statement) = statement {
-        store.prepare(statement.sql()).await.map_err(|e| {
+        sql.prepare(statement.sql()).await.map_err(|e| {
             classify(
                 e,
                 &format!(

@@ -128,7 +128,7 @@ pub trait EffectJournal: Send + Sync {
 }
 
 fn journal_error(step: &str, e: StoreError) -> HandlerError {
-    HandlerError::retryable(format!("effect {step:?}: journal: {e}"))
+    HandlerError::retryable(format!("effect {step:?}: journal: {e}")).with_source(e)
 }
 
 /// Runs `call` at most once per (consumer, key, step) as far as `journal`

@@ -7,11 +7,12 @@
 //! `fail::cfg` / `fail::cfg_callback` (the `idemq` CLI arms them from
 //! `IDEMQ_CHAOS_KILL` to SIGKILL itself there).
 //!
-//! The points, in both per-message and batch mode:
+//! The points, in every mode (per-message, batch, lease batch, offset
+//! watermark):
 //!
 //! | name | where |
 //! |---|---|
-//! | `after_claim` | the key (batch: every key) was claimed; the handler has not run |
+//! | `after_claim` | the key (batch: every key; watermark: the offset) was claimed; the handler has not run |
 //! | `after_handler` | a handler returned (success or failure); nothing committed |
 //! | `before_commit` | about to commit the claim and the handler's writes |
 //! | `after_commit_before_ack` | committed; the delivery is not acked yet |

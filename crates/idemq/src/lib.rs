@@ -68,11 +68,14 @@ pub mod template;
 
 pub use effect::{idempotency_key, EffectJournal};
 pub use engine::{handler_fn, Consumer, ConsumerBuilder, Context, Handler, HandlerResult};
-pub use error::{ConfigError, HandlerError, InputError, SourceError, StoreError};
+pub use error::{
+    ConfigError, HandlerError, HandlerErrorKind, InputError, SourceError, SourceErrorKind,
+    StoreError, StoreErrorKind,
+};
 pub use fingerprint::FingerprintSpec;
 pub use key::KeySpec;
 pub use message::{DeliveryMeta, Headers, Message};
-pub use outcome::{Outcome, OutcomeKind, Summary};
+pub use outcome::{DeadLetterReason, Outcome, OutcomeKind, Summary};
 pub use policy::{ConflictPolicy, InFlightPolicy, RetentionPolicy, RetryPolicy};
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]

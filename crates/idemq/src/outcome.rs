@@ -4,7 +4,43 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use crate::store::{DeadLetterReason, InboxRecord};
+use crate::error::InputError;
+use crate::store::InboxRecord;
+
+/// Why a message was dead-lettered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeadLetterReason {
+    /// The message itself is unusable (no key, malformed, too long, ...).
+    InvalidInput(InputError),
+    /// The key was processed before with a different payload.
+    Conflict,
+    /// The handler reported a permanent failure.
+    PermanentFailure,
+    /// The handler failed retryably on every one of the allowed attempts.
+    RetriesExhausted,
+    /// The broker delivered it more often than the allowed attempts (the consumer
+    /// probably crashed while handling it each time).
+    DeliveryLimit,
+}
+
+impl DeadLetterReason {
+    /// The stable code stored in the `reason` column.
+    pub fn code(&self) -> &'static str {
+        match self {
+            DeadLetterReason::InvalidInput(e) => e.code(),
+            DeadLetterReason::Conflict => "conflict",
+            DeadLetterReason::PermanentFailure => "permanent_failure",
+            DeadLetterReason::RetriesExhausted => "retries_exhausted",
+            DeadLetterReason::DeliveryLimit => "delivery_limit",
+        }
+    }
+}
+
+impl std::fmt::Display for DeadLetterReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.code())
+    }
+}
 
 /// How one delivery of a message ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,7 +91,7 @@ pub enum Outcome {
 impl Outcome {
     /// The kind of outcome, for counting. A message dead-lettered because a
     /// downstream system reported a conflict
-    /// ([`HandlerError::Conflict`](crate::HandlerError::Conflict), e.g. HTTP
+    /// ([`HandlerErrorKind::Conflict`](crate::HandlerErrorKind::Conflict), e.g. HTTP
     /// 422) counts as a [`OutcomeKind::Conflict`], like a conflict in the inbox.
     pub fn kind(&self) -> OutcomeKind {
         match self {

@@ -8,23 +8,19 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idemq::source::amqp::{AmqpConfig, AmqpPublisher, AmqpSource, QueueType, REASON_HEADER};
-use idemq::source::Source;
-use idemq::store::sql::postgres::PostgresStore;
-use idemq::store::DeadLetterReason;
-use idemq::{Consumer, Message, OutcomeKind, RetryPolicy, SourceError, Summary};
+use idemq::DeadLetterReason;
+use idemq::{Message, OutcomeKind, RetryPolicy};
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use support::{
-    assert_dead_lettered, payment, workload, Deliveries, Ledger, Plan, SwallowAcks, Tally,
+    assert_dead_lettered, eventually, payment, start, workload, Deliveries, Ledger, Plan,
+    SwallowAcks, Tally,
 };
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
 fn amqp_url() -> String {
     std::env::var("IDEMQ_TEST_AMQP")
@@ -114,52 +110,6 @@ impl Rabbit {
     async fn cleanup(self) {
         self.publisher.delete_topology().await.unwrap();
         self.publisher.close().await.unwrap();
-    }
-}
-
-/// A consumer running in a task until stopped.
-struct Running {
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<Result<Summary, SourceError>>,
-}
-
-fn start(consumer: &Consumer<PostgresStore>, source: impl Source + 'static) -> Running {
-    let (stop, stopped) = oneshot::channel::<()>();
-    let consumer = consumer.clone();
-    let task = tokio::spawn(async move {
-        consumer
-            .run_until(source, async {
-                let _ = stopped.await;
-            })
-            .await
-    });
-    Running { stop, task }
-}
-
-impl Running {
-    async fn stop(self) -> Summary {
-        let _ = self.stop.send(());
-        self.task.await.unwrap().unwrap()
-    }
-
-    /// Kills the run mid-flight: its source, connection and in-flight
-    /// handlers are dropped without settling anything.
-    async fn kill(self) {
-        self.task.abort();
-        assert!(self.task.await.unwrap_err().is_cancelled());
-    }
-}
-
-/// Polls `check` every 50 ms until it holds; panics after `limit`.
-async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    while !check().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

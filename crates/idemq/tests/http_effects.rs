@@ -41,7 +41,10 @@ use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::sql::sqlite::SqliteStore;
 use idemq::store::sql::SqlOptions;
 use idemq::store::{Store, StoreAdmin};
-use idemq::{idempotency_key, Consumer, HandlerError, KeySpec, Message, Outcome, OutcomeKind};
+use idemq::{
+    idempotency_key, Consumer, HandlerError, HandlerErrorKind, KeySpec, Message, Outcome,
+    OutcomeKind,
+};
 use serde_json::{json, Value};
 
 // ---- the payment provider ----
@@ -665,10 +668,8 @@ async fn statuses_and_transport_errors_map_as_documented() {
         ))
     );
     match send(409).await.unwrap_err() {
-        HandlerError::Retryable {
-            retry_after,
-            message,
-        } => {
+        e if e.kind() == HandlerErrorKind::Retryable => {
+            let (retry_after, message) = (e.retry_after(), e.message());
             assert_eq!(retry_after, Some(Duration::from_secs(3)));
             assert!(
                 message.contains("409") && message.contains("in flight"),

@@ -113,7 +113,7 @@ async fn delete_stream(stream: &str) {
 /// publish that makes that many confirmed publishes hangs *after* Redis took
 /// it (the relay dies there when its task is aborted); `delay` before each;
 /// messages whose id is in `refuse` always fail, permanently
-/// ([`SourceError::Config`], as for a message the broker can never take)
+/// ([`SourceErrorKind::Config`](crate::SourceErrorKind::Config), as for a message the broker can never take)
 /// if the value is `true`, else as a broker error.
 struct Probe {
     inner: RedisStreamPublisher,
@@ -149,16 +149,16 @@ impl Publisher for Probe {
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
             .is_ok()
         {
-            return Err(SourceError::Broker("injected failure".into()));
+            return Err(SourceError::broker("injected failure"));
         }
         let refused = message.id.as_ref().and_then(|id| self.refuse.get(id));
         match refused {
             Some(true) => {
-                return Err(SourceError::Config(
-                    "message too large for the topic (injected)".into(),
+                return Err(SourceError::config(
+                    "message too large for the topic (injected)",
                 ))
             }
-            Some(false) => return Err(SourceError::Broker("unreachable (injected)".into())),
+            Some(false) => return Err(SourceError::broker("unreachable (injected)")),
             None => {}
         }
         if !self.delay.is_zero() {
@@ -411,10 +411,15 @@ async fn two_relays_keep_the_order_of_every_key<DB: OutboxDatabase>(
         .iter()
         .map(|p| p.published.load(Ordering::SeqCst))
         .collect();
-    assert!(
-        counts.iter().all(|c| *c > 0),
-        "both relays published: {counts:?}"
-    );
+    // Both relays take part where the database has row locks. SQLite has
+    // one write lock, which is not fair: the relay that just committed may
+    // take it again every time, so there the order is the whole check.
+    if DB::DIALECT != idemq::store::sql::Dialect::Sqlite {
+        assert!(
+            counts.iter().all(|c| *c > 0),
+            "both relays published: {counts:?}"
+        );
+    }
     delete_stream(&stream).await;
 }
 

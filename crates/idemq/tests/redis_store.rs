@@ -18,7 +18,7 @@ use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::{Claim, ClaimRequest, Store};
 use idemq::{
     handler_fn, Consumer, ConsumerBuilder, HandlerError, KeySpec, Message, Outcome, OutcomeKind,
-    RetryPolicy, StoreError,
+    RetryPolicy, StoreErrorKind,
 };
 use support::{payment, unique, Ledger, PgTx};
 
@@ -425,7 +425,7 @@ async fn a_stale_holder_is_fenced_off() {
         "the downstream refused the stale fence"
     );
     assert!(
-        matches!(commit, Err(StoreError::LeaseLost { ref key }) if key == "k"),
+        matches!(&commit, Err(e) if e.kind() == StoreErrorKind::LeaseLost && e.message().contains(r#""k""#)),
         "{commit:?}"
     );
     assert_eq!(effects.snapshot()["k"], vec![fence_b]);
@@ -679,7 +679,7 @@ async fn a_redis_outage_degrades_the_cache_to_postgres_only() {
     let filter = RedisFilter::connect(&server.url(), options(&unique("rf")))
         .await
         .unwrap();
-    let (messages, expected) = duplicated(300, serde_json::json!({ "sleep_ms": 10 }));
+    let (messages, expected) = duplicated(300, serde_json::json!({ "sleep_ms": 40 }));
     let queue = queue_of(&messages);
     let (processed, transient) = (Arc::default(), Arc::default());
     let builders: Vec<_> = (0..4)
@@ -693,11 +693,13 @@ async fn a_redis_outage_degrades_the_cache_to_postgres_only() {
         .collect();
     let restarted = AtomicBool::new(false);
     let run = run_workers(builders, &queue, Duration::from_secs(60));
+    // Long enough that the calls cut off by the kill time out and the
+    // fallback shows, on a loaded machine too.
     let kill = outage(
         &mut server,
         &processed,
         80,
-        Duration::from_millis(700),
+        Duration::from_millis(1000),
         &restarted,
     );
     let ((done, dups), (at_kill, at_restart)) = tokio::join!(run, kill);
@@ -828,10 +830,13 @@ async fn release_frees_a_held_lease_and_fences_off_its_holder() {
         panic!("a released key is claimable at once")
     };
     assert!(fresh.fencing_token() > stale.fencing_token());
-    assert!(matches!(
-        store.commit(stale, &req("k", lease), None).await,
-        Err(StoreError::LeaseLost { .. })
-    ));
+    assert_eq!(
+        store
+            .commit(stale, &req("k", lease), None)
+            .await
+            .map_err(|e| e.kind()),
+        Err(StoreErrorKind::LeaseLost)
+    );
     store.commit(fresh, &req("k", lease), None).await.unwrap();
     assert!(
         !store.release("ledger", "k").await.unwrap(),

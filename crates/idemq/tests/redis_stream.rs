@@ -13,8 +13,8 @@ use idemq::source::redis_stream::{
     RedisStreamConfig, RedisStreamPublisher, RedisStreamSource, ENTRY_ID_HEADER, REASON_FIELD,
 };
 use idemq::source::Source;
-use idemq::store::DeadLetterReason;
-use idemq::{Message, OutcomeKind, SourceError};
+use idemq::DeadLetterReason;
+use idemq::{Message, OutcomeKind, SourceErrorKind};
 use support::{
     assert_dead_lettered, payment, payments, run_until_settled, workload, Deliveries, Ledger, Plan,
     SwallowAcks, Tally,
@@ -393,7 +393,7 @@ async fn connecting_to_a_stream_of_another_type_fails() {
         .unwrap();
     assert!(matches!(
         RedisStreamSource::connect(config(&key)).await,
-        Err(SourceError::Broker(_))
+        Err(ref e) if e.kind() == SourceErrorKind::Broker
     ));
     cleanup(&[&key]).await;
 }

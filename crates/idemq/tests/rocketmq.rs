@@ -19,8 +19,8 @@ use idemq::source::rocketmq::{
     default_key_spec, RocketMqConfig, RocketMqPublisher, RocketMqSource,
     DEAD_LETTER_REASON_PROPERTY,
 };
-use idemq::source::{Publisher, Source};
-use idemq::store::DeadLetterReason;
+use idemq::source::Source;
+use idemq::DeadLetterReason;
 use idemq::{Message, Outcome, OutcomeKind, RetryPolicy, Summary};
 use support::{payment, Ledger, Plan};
 
@@ -36,25 +36,12 @@ async fn source(config: RocketMqConfig) -> RocketMqSource {
         .expect("start the consumer (is scripts/rocketmq.sh running?)")
 }
 
-/// Publishes `messages` to a (new, auto-created) topic. The first send is
-/// retried for a while: the broker may still be registering.
+/// Publishes `messages` to a (new, auto-created) topic.
 async fn publish(topic: &str, messages: &[Message]) {
     let publisher = RocketMqPublisher::connect(NAME_SERVER, topic)
         .await
         .expect("start the producer (is scripts/rocketmq.sh running?)");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    for (i, m) in messages.iter().enumerate() {
-        loop {
-            match publisher.publish(m).await {
-                Ok(()) => break,
-                Err(e) if i == 0 && tokio::time::Instant::now() < deadline => {
-                    eprintln!("first publish failed, retrying: {e}");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
-                Err(e) => panic!("publish: {e}"),
-            }
-        }
-    }
+    support::publish_all(&publisher, messages).await;
 }
 
 /// Counts the outcomes of a consumer by kind.

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use idemq::source::sqs::{SqsConfig, SqsPublisher, SqsSource, REASON_ATTRIBUTE};
 use idemq::source::Publisher;
-use idemq::store::DeadLetterReason;
-use idemq::{Message, OutcomeKind, SourceError};
+use idemq::DeadLetterReason;
+use idemq::{Message, OutcomeKind, SourceErrorKind};
 use support::{
     assert_dead_lettered, payment, payments, run_until_settled, workload, Deliveries, Ledger, Plan,
     SwallowAcks, Tally,
@@ -322,7 +322,12 @@ async fn a_fifo_queue_keeps_the_order_of_each_message_group() {
             .concurrency(6),
     );
     let source = SqsSource::connect(config).await.unwrap();
-    run_until_settled(&consumer, source, &tally, 15, Duration::from_secs(30)).await;
+    // Until every message was processed: a redelivery under load is a final
+    // outcome too, so counting finals may stop before the slow group's last.
+    support::run_until(&consumer, source, Duration::from_secs(30), || {
+        tally.count(OutcomeKind::Processed) >= 15
+    })
+    .await;
 
     ledger.assert_exactly_once(&expected).await;
     assert_eq!(tally.count(OutcomeKind::Processed), 15);
@@ -356,10 +361,10 @@ async fn publishing_more_than_ten_attributes_is_refused() {
     }
     assert!(matches!(
         publisher.publish(&message).await,
-        Err(SourceError::Other(_))
+        Err(ref e) if e.kind() == SourceErrorKind::Other
     ));
     assert!(matches!(
         SqsSource::connect(SqsConfig::new(support::unique("missing")).endpoint(endpoint())).await,
-        Err(SourceError::Broker(_))
+        Err(ref e) if e.kind() == SourceErrorKind::Broker
     ));
 }

@@ -1,14 +1,13 @@
 //! `idemq consume`: a JSON-lines file, stdin or a broker, exactly once into the store.
 
 use std::process::ExitCode;
-use std::time::Duration;
 
 use anyhow::{Context, Result};
-use async_trait::async_trait;
-use idemq::engine::BatchOptions;
-use idemq::source::{Delivery, Source};
+use idemq::engine::{BatchOptions, WatermarkOptions};
+use idemq::source::idle::IdleExit;
+use idemq::source::Source;
 use idemq::store::cache::CachedStore;
-use idemq::{ConflictPolicy, Consumer, InFlightPolicy, OutcomeKind, SourceError, Summary};
+use idemq::{ConflictPolicy, Consumer, InFlightPolicy, OutcomeKind, Summary};
 
 use crate::backend::Backend;
 use crate::interrupt::Interrupt;
@@ -43,6 +42,13 @@ pub async fn with_cache<B: Backend + Clone>(store: B, args: ConsumeArgs) -> Resu
 
 /// Consumes the input to its end (or Ctrl-C) and prints the summary.
 pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
+    if args.watermark && !args.input.supports_watermarks() {
+        return Err(exit::usage(format!(
+            "--watermark needs a kafka:// source (a partitioned log read in offset order), \
+             not {}",
+            args.input
+        )));
+    }
     let sink::Sink { handler, statement } = sink::build::<B>(&args.sink)?;
     let progress = Progress::new(&args.consumer);
     let mut builder = super::configure(
@@ -89,6 +95,19 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
         progress.show();
     }
     let result = match args.batch {
+        None if args.watermark => {
+            let options = WatermarkOptions {
+                dedup_keys: args.dedup_keys,
+            };
+            B::run_watermarked(&consumer, source, options, Box::pin(interrupt.wait()))
+                .await
+                .ok_or_else(|| {
+                    exit::usage(
+                        "--watermark needs a SQL store (sqlite:, postgres://, mysql://) \
+                         without --cache/--local-cache",
+                    )
+                })?
+        }
         None => consumer.run_until(source, interrupt.wait()).await,
         Some(max_size) => {
             let options = BatchOptions {
@@ -130,36 +149,5 @@ fn print_summary(args: &ConsumeArgs, summary: &Summary) {
             "dead letters: idemq dlq list --consumer {}",
             shell_word(&args.consumer)
         );
-    }
-}
-
-/// Ends a source when no delivery arrives for `idle` (`--idle-exit`). The
-/// cancelled wait takes nothing from the source that is not redelivered:
-/// after it the run stops taking deliveries and only settles those in flight.
-struct IdleExit {
-    inner: Box<dyn Source>,
-    idle: Duration,
-}
-
-impl IdleExit {
-    fn new(inner: Box<dyn Source>, idle: Duration) -> Self {
-        Self { inner, idle }
-    }
-}
-
-#[async_trait]
-impl Source for IdleExit {
-    async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
-        match tokio::time::timeout(self.idle, self.inner.next()).await {
-            Ok(next) => next,
-            Err(_) => {
-                tracing::info!(idle = ?self.idle, "no message for the idle time: stopping");
-                Ok(None)
-            }
-        }
-    }
-
-    async fn close(&mut self) {
-        self.inner.close().await
     }
 }

@@ -14,7 +14,7 @@ mod stats;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use idemq::{ConsumerBuilder, KeySpec, RetryPolicy, StoreError};
+use idemq::{ConsumerBuilder, KeySpec, RetryPolicy, StoreError, StoreErrorKind};
 
 use crate::backend::{Backend, StoreUrl};
 use crate::{Command, DlqCommand, GlobalArgs, ProcessingArgs};
@@ -47,11 +47,7 @@ pub use relay::{run as relay, RelayArgs};
 
 /// Adds a hint to run `idemq migrate` when the store says a table is missing.
 fn admin_error(err: StoreError, doing: &str) -> anyhow::Error {
-    let text = err.to_string();
-    let missing_table = ["does not exist", "doesn't exist", "no such table"]
-        .iter()
-        .any(|m| text.contains(m));
-    let doing = if missing_table {
+    let doing = if err.kind() == StoreErrorKind::MissingSchema {
         format!("{doing} (are the idemq tables missing? run `idemq migrate`)")
     } else {
         doing.to_owned()

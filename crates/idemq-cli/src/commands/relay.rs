@@ -154,11 +154,7 @@ async fn relay<DB: OutboxDatabase>(
 
 /// Adds a hint to a missing table.
 fn relay_error(err: OutboxError, table: &str, url: &StoreUrl) -> anyhow::Error {
-    let text = err.to_string();
-    let missing = ["does not exist", "doesn't exist", "no such table"]
-        .iter()
-        .any(|m| text.contains(m));
-    let context = if missing {
+    let context = if err.is_missing_table() {
         format!("relaying {table} in {url} (is the table missing? pass --migrate)")
     } else {
         format!("relaying {table} in {url}")

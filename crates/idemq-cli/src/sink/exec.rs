@@ -239,7 +239,8 @@ mod tests {
         assert!(classify(code(69), b"", b"").unwrap_err().is_retryable());
         let conflict = classify(code(65), b"", b"other payload").unwrap_err();
         assert!(
-            matches!(&conflict, HandlerError::Conflict(text) if text.contains("other payload")),
+            conflict.kind() == idemq::HandlerErrorKind::Conflict
+                && conflict.message().contains("other payload"),
             "{conflict:?}"
         );
         let broken = classify(code(3), b"", b"no such account\n").unwrap_err();

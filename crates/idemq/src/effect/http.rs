@@ -31,12 +31,12 @@
 //! | response | meaning | result |
 //! |---|---|---|
 //! | 2xx | done | `Ok(`[`StoredResponse`]`)`: the status and the body (JSON if it parses, else a string, `null` if empty), journaled |
-//! | 409 Conflict | a request with this key is still being processed (the draft's "in flight") | [`HandlerError::Retryable`], after `Retry-After` if given |
-//! | 422 Unprocessable Content | the key was used before with another payload | [`HandlerError::Conflict`] (dead-lettered with the reason `conflict`, counted as a conflict) |
-//! | 408, 429, 5xx | transient | [`HandlerError::Retryable`], after `Retry-After` if given, else the policy's backoff |
-//! | timeout, connection refused or reset, body cut off | transient | [`HandlerError::Retryable`] |
-//! | any other status (other 4xx, 1xx, an unfollowed 3xx) | the request is wrong | [`HandlerError::Permanent`] with the status and the body (first [`MAX_REASON_BODY`] bytes) |
-//! | invalid request (bad URL or header), redirect loop | the request is wrong | [`HandlerError::Permanent`] |
+//! | 409 Conflict | a request with this key is still being processed (the draft's "in flight") | [`HandlerErrorKind::Retryable`](crate::HandlerErrorKind::Retryable), after `Retry-After` if given |
+//! | 422 Unprocessable Content | the key was used before with another payload | [`HandlerErrorKind::Conflict`](crate::HandlerErrorKind::Conflict) (dead-lettered with the reason `conflict`, counted as a conflict) |
+//! | 408, 429, 5xx | transient | [`HandlerErrorKind::Retryable`](crate::HandlerErrorKind::Retryable), after `Retry-After` if given, else the policy's backoff |
+//! | timeout, connection refused or reset, body cut off | transient | [`HandlerErrorKind::Retryable`](crate::HandlerErrorKind::Retryable) |
+//! | any other status (other 4xx, 1xx, an unfollowed 3xx) | the request is wrong | [`HandlerErrorKind::Permanent`](crate::HandlerErrorKind::Permanent) with the status and the body (first [`MAX_REASON_BODY`] bytes) |
+//! | invalid request (bad URL or header), redirect loop | the request is wrong | [`HandlerErrorKind::Permanent`](crate::HandlerErrorKind::Permanent) |
 //!
 //! `Retry-After` is read as delay-seconds or an HTTP date, capped at
 //! [`MAX_RETRY_AFTER`]. Retryable errors are retried by the engine with the
@@ -227,9 +227,12 @@ pub fn classify(
         text if text.is_empty() => String::new(),
         text => format!(": {text}"),
     };
-    let retryable = |message: String| HandlerError::Retryable {
-        message,
-        retry_after: retry_after(headers),
+    let retryable = |message: String| {
+        let error = HandlerError::retryable(message);
+        match retry_after(headers) {
+            Some(delay) => error.with_retry_after(delay),
+            None => error,
+        }
     };
     Err(match code {
         409 => retryable(format!(
@@ -346,6 +349,7 @@ pub async fn post_json<T: Serialize + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::HandlerErrorKind;
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut map = HeaderMap::new();
@@ -402,19 +406,12 @@ mod tests {
 
         let busy =
             classify(StatusCode::CONFLICT, &headers(&[("retry-after", "7")]), b"").unwrap_err();
-        match busy {
-            HandlerError::Retryable {
-                retry_after,
-                message,
-            } => {
-                assert_eq!(retry_after, Some(Duration::from_secs(7)));
-                assert!(message.contains("in flight"), "{message}");
-            }
-            other => panic!("{other:?}"),
-        }
+        assert_eq!(busy.kind(), HandlerErrorKind::Retryable, "{busy:?}");
+        assert_eq!(busy.retry_after(), Some(Duration::from_secs(7)));
+        assert!(busy.message().contains("in flight"), "{busy}");
         let reused = classify(StatusCode::UNPROCESSABLE_ENTITY, &none, b"key reused").unwrap_err();
         assert!(
-            matches!(&reused, HandlerError::Conflict(text) if text.starts_with("HTTP 422")),
+            reused.kind() == HandlerErrorKind::Conflict && reused.message().starts_with("HTTP 422"),
             "{reused:?}"
         );
         assert!(!reused.is_retryable());

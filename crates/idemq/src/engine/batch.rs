@@ -40,9 +40,10 @@ use tokio::task::JoinSet;
 use super::consumer::Consumer;
 use crate::error::{HandlerError, SourceError};
 use crate::message::{DeliveryMeta, Message};
+use crate::outcome::DeadLetterReason;
 use crate::outcome::{Outcome, OutcomeKind, Summary};
 use crate::source::{Acknowledger, Delivery, Source};
-use crate::store::{BatchClaim, BatchStore, ClaimRequest, DeadLetterReason, InboxRecord, Store};
+use crate::store::{BatchClaim, BatchStore, ClaimRequest, InboxRecord, Store};
 
 /// How batches are formed in [`Consumer::run_batched`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -241,7 +242,7 @@ impl<S: Store> Consumer<S> {
                 acker,
                 outcome: None,
             };
-            match self.identify(&item.message, defect) {
+            match self.identify(&item.message, defect.as_ref()) {
                 Err((key, reason)) => {
                     let outcome = self
                         .dead_letter(key.as_deref(), reason, &item.message, &item.meta, 0)

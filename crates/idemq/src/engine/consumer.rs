@@ -9,17 +9,33 @@ use futures_util::FutureExt;
 
 use super::handler::{Context, FnHandler, Handler, HandlerResult};
 use super::lanes::LaneRelease;
-use crate::error::{ConfigError, HandlerError, InputError, StoreError};
+use crate::error::{ConfigError, HandlerError, HandlerErrorKind, InputError, StoreError};
 use crate::fingerprint::FingerprintSpec;
 use crate::key::KeySpec;
 use crate::message::{DeliveryMeta, Message};
+use crate::outcome::DeadLetterReason;
 use crate::outcome::Outcome;
 use crate::policy::{ConflictPolicy, InFlightPolicy, RetryPolicy};
 use crate::source::{Acknowledger, Delivery};
-use crate::store::{Claim, ClaimRequest, DeadLetter, DeadLetterReason, Store};
+use crate::store::{Claim, ClaimRequest, DeadLetter, Store};
 
 /// Callback observing every outcome (progress bars, custom metrics).
 pub(crate) type OutcomeHook = Arc<dyn Fn(&Outcome) + Send + Sync>;
+
+/// The identify step's answer for one delivery, derived once and carried
+/// through its key lane to the claim: the business key and the payload
+/// fingerprint, or why the delivery must be dead-lettered (with the key when
+/// one was derived).
+pub(crate) type Identity = Result<(String, String), (Option<String>, DeadLetterReason)>;
+
+/// The key lane of an identified delivery: its business key when one was
+/// derived (bad input without a key runs outside any lane).
+pub(crate) fn lane_key(identity: &Identity) -> Option<&str> {
+    match identity {
+        Ok((key, _)) => Some(key),
+        Err((key, _)) => key.as_deref(),
+    }
+}
 
 pub(crate) struct Inner<S: Store> {
     pub(crate) name: String,
@@ -265,14 +281,22 @@ impl<S: Store> Consumer<S> {
     /// ack after commit (processed, duplicate), nack with a delay (retry
     /// later), or dead-letter and ack.
     pub async fn process(&self, delivery: Delivery) -> Outcome {
-        self.process_in_lane(delivery, LaneRelease::none()).await
+        let identity = self.identify(&delivery.message, delivery.defect.as_ref());
+        self.process_in_lane(delivery, identity, LaneRelease::none())
+            .await
     }
 
-    /// [`process`](Self::process), releasing `lane` once the outcome is
-    /// decided and before the delivery is settled.
-    pub(crate) async fn process_in_lane(&self, delivery: Delivery, lane: LaneRelease) -> Outcome {
-        let (message, meta, defect, acker) = delivery.into_parts();
-        let outcome = self.decide(&message, &meta, defect).await;
+    /// [`process`](Self::process) of a delivery identified already,
+    /// releasing `lane` once the outcome is decided and before the delivery
+    /// is settled.
+    pub(crate) async fn process_in_lane(
+        &self,
+        delivery: Delivery,
+        identity: Identity,
+        lane: LaneRelease,
+    ) -> Outcome {
+        let (message, meta, _defect, acker) = delivery.into_parts();
+        let outcome = self.decide(identity, &message, &meta).await;
         lane.release(&outcome);
         self.settle(&outcome, acker).await;
         self.report(&outcome, &meta);
@@ -283,11 +307,13 @@ impl<S: Store> Consumer<S> {
         let result = match outcome {
             Outcome::Processed { .. } | Outcome::Duplicate { .. } => acker.ack().await,
             Outcome::Conflict { .. } => match self.inner.conflict {
-                ConflictPolicy::DeadLetter => acker.dead_letter(&DeadLetterReason::Conflict).await,
+                ConflictPolicy::DeadLetter => {
+                    acker.forward_dead_letter(&DeadLetterReason::Conflict).await
+                }
                 ConflictPolicy::Ignore => acker.ack().await,
             },
             Outcome::RetryLater { delay, .. } => acker.nack(*delay).await,
-            Outcome::DeadLettered { reason, .. } => acker.dead_letter(reason).await,
+            Outcome::DeadLettered { reason, .. } => acker.forward_dead_letter(reason).await,
         };
         if let Err(e) = result {
             // Nothing is lost: the source redelivers and the inbox answers.
@@ -337,16 +363,13 @@ impl<S: Store> Consumer<S> {
         }
     }
 
-    /// The business key and fingerprint of a message, or why it must be
-    /// dead-lettered (with the key when one was derived).
-    pub(crate) fn identify(
-        &self,
-        message: &Message,
-        defect: Option<InputError>,
-    ) -> Result<(String, String), (Option<String>, DeadLetterReason)> {
+    /// The identify step: the business key and fingerprint of a message, or
+    /// why it must be dead-lettered (with the key when one was derived). A
+    /// source's `defect` (an undecodable record) wins.
+    pub(crate) fn identify(&self, message: &Message, defect: Option<&InputError>) -> Identity {
         let inner = &*self.inner;
         if let Some(defect) = defect {
-            return Err((None, DeadLetterReason::InvalidInput(defect)));
+            return Err((None, DeadLetterReason::InvalidInput(defect.clone())));
         }
         let key = inner
             .key
@@ -358,14 +381,9 @@ impl<S: Store> Consumer<S> {
         }
     }
 
-    async fn decide(
-        &self,
-        message: &Message,
-        meta: &DeliveryMeta,
-        defect: Option<InputError>,
-    ) -> Outcome {
+    async fn decide(&self, identity: Identity, message: &Message, meta: &DeliveryMeta) -> Outcome {
         let inner = &*self.inner;
-        let (key, fingerprint) = match self.identify(message, defect) {
+        let (key, fingerprint) = match identity {
             Ok(ids) => ids,
             Err((key, reason)) => {
                 return self
@@ -535,34 +553,32 @@ impl<S: Store> Consumer<S> {
         meta: &DeliveryMeta,
     ) -> Outcome {
         let inner = &*self.inner;
-        match error {
-            HandlerError::Conflict(text) => {
+        let text = error.message();
+        match error.kind() {
+            HandlerErrorKind::Conflict => {
                 self.dead_letter_with(
                     Some(key),
                     DeadLetterReason::Conflict,
-                    &text,
+                    text,
                     message,
                     meta,
                     1,
                 )
                 .await
             }
-            HandlerError::Permanent(text) => {
+            HandlerErrorKind::Permanent => {
                 self.dead_letter_with(
                     Some(key),
                     DeadLetterReason::PermanentFailure,
-                    &text,
+                    text,
                     message,
                     meta,
                     1,
                 )
                 .await
             }
-            HandlerError::Retryable {
-                message: text,
-                retry_after,
-            } => {
-                let attempts = match inner.store.record_failure(&inner.name, key, &text).await {
+            HandlerErrorKind::Retryable => {
+                let attempts = match inner.store.record_failure(&inner.name, key, text).await {
                     Ok(n) => n,
                     Err(e) => {
                         // Counting failed (the store is down): retry without counting.
@@ -577,7 +593,7 @@ impl<S: Store> Consumer<S> {
                         .dead_letter_with(
                             Some(key),
                             DeadLetterReason::RetriesExhausted,
-                            &text,
+                            text,
                             message,
                             meta,
                             attempts,
@@ -587,8 +603,10 @@ impl<S: Store> Consumer<S> {
                 Outcome::RetryLater {
                     key: Some(key.to_owned()),
                     attempts,
-                    delay: retry_after.unwrap_or_else(|| inner.retry.backoff(attempts)),
-                    error: text,
+                    delay: error
+                        .retry_after()
+                        .unwrap_or_else(|| inner.retry.backoff(attempts)),
+                    error: text.to_owned(),
                 }
             }
         }

@@ -200,7 +200,7 @@ impl<S: LeaseBatchStore> Consumer<S> {
                             result: value,
                         }
                     } else {
-                        let lost = StoreError::LeaseLost { key: key.clone() };
+                        let lost = StoreError::lease_lost(key);
                         self.busy(Some(key.clone()), format!("commit failed: {lost}"))
                     });
                 }

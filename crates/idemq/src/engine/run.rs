@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-use super::consumer::Consumer;
+use super::consumer::{lane_key, Consumer, Identity};
 use super::lanes::{KeyLanes, LaneEnd, LaneRelease};
 use crate::error::SourceError;
 use crate::outcome::{Outcome, OutcomeKind, Summary};
@@ -23,7 +23,9 @@ impl<S: Store> Consumer<S> {
     /// [`concurrency`](super::ConsumerBuilder::concurrency) messages handled
     /// at once, and returns the outcome counts. Deliveries of one business
     /// key are handled one after the other, in the source's order; different
-    /// keys run concurrently. Every delivery is settled before it returns.
+    /// keys run concurrently, also within one partition of a partitioned log
+    /// ([`Source::settle_out_of_order`]). Every delivery is settled before it
+    /// returns.
     pub async fn run(&self, source: impl Source) -> Result<Summary, SourceError> {
         self.run_until(source, std::future::pending::<()>()).await
     }
@@ -32,21 +34,24 @@ impl<S: Store> Consumer<S> {
     /// `shutdown` completes, finishes the ones in flight, and returns.
     pub async fn run_until(
         &self,
-        source: impl Source,
+        mut source: impl Source,
         shutdown: impl Future<Output = ()>,
     ) -> Result<Summary, SourceError> {
+        // The key lanes keep each key's order: a partitioned source may
+        // hand out as many records of a partition as the loop reads ahead.
+        source.settle_out_of_order(self.inner.concurrency.saturating_mul(READ_AHEAD));
         let consumer = self.clone();
-        self.run_with(source, shutdown, move |delivery, lane| {
+        self.run_with(source, shutdown, move |delivery, identity, lane| {
             let consumer = consumer.clone();
-            async move { consumer.process_in_lane(delivery, lane).await }
+            async move { consumer.process_in_lane(delivery, identity, lane).await }
         })
         .await
     }
 
     /// The loop of every per-delivery mode: reads up to twice `concurrency`
-    /// deliveries ahead and runs up to `concurrency` of them at once through
-    /// `process`, until the source ends or `shutdown` completes, then waits
-    /// for those in flight.
+    /// deliveries ahead, identifies each once (key and fingerprint), and
+    /// runs up to `concurrency` of them at once through `process`, until the
+    /// source ends or `shutdown` completes, then waits for those in flight.
     ///
     /// Deliveries with the same business key go through one key lane
     /// (`super::lanes`): each waits until the previous one of its key
@@ -62,7 +67,7 @@ impl<S: Store> Consumer<S> {
         process: F,
     ) -> Result<Summary, SourceError>
     where
-        F: Fn(Delivery, LaneRelease) -> Fut + Clone + Send + 'static,
+        F: Fn(Delivery, Identity, LaneRelease) -> Fut + Clone + Send + 'static,
         Fut: Future<Output = Outcome> + Send + 'static,
     {
         let concurrency = self.inner.concurrency;
@@ -90,7 +95,8 @@ impl<S: Store> Consumer<S> {
             };
             match next {
                 Ok(Some(delivery)) => {
-                    let ticket = self.lane_key(&delivery).map(|key| lanes.admit(key));
+                    let identity = self.identify(&delivery.message, delivery.defect.as_ref());
+                    let ticket = lane_key(&identity).map(|key| lanes.admit(key.to_owned()));
                     let consumer = self.clone();
                     let process = process.clone();
                     let running = Arc::clone(&running);
@@ -100,16 +106,17 @@ impl<S: Store> Consumer<S> {
                         let outcome = match ticket {
                             None => {
                                 let _running = running.acquire_owned().await.ok();
-                                process(delivery, LaneRelease::none()).await
+                                process(delivery, identity, LaneRelease::none()).await
                             }
                             Some(mut ticket) => match ticket.wait().await {
                                 Some(LaneEnd::RetryLater(delay)) => {
                                     ticket.finish(LaneEnd::RetryLater(delay));
-                                    consumer.defer(delivery, delay).await
+                                    let key = lane_key(&identity).map(str::to_owned);
+                                    consumer.defer(delivery, key, delay).await
                                 }
                                 _ => {
                                     let _running = running.acquire_owned().await.ok();
-                                    process(delivery, ticket.into()).await
+                                    process(delivery, identity, ticket.into()).await
                                 }
                             },
                         };
@@ -135,20 +142,12 @@ impl<S: Store> Consumer<S> {
         }
     }
 
-    /// The key lane of a delivery: its business key, or none for bad input.
-    fn lane_key(&self, delivery: &Delivery) -> Option<String> {
-        if delivery.defect.is_some() {
-            return None;
-        }
-        self.inner.key.extract(&delivery.message).ok()
-    }
-
-    /// Nacks `delivery` with `delay` without claiming it: an earlier
-    /// delivery of its key waits for a retry and must go first.
-    async fn defer(&self, delivery: Delivery, delay: Duration) -> Outcome {
-        let (message, meta, _defect, acker) = delivery.into_parts();
+    /// Nacks `delivery` (of `key`) with `delay` without claiming it: an
+    /// earlier delivery of its key waits for a retry and must go first.
+    async fn defer(&self, delivery: Delivery, key: Option<String>, delay: Duration) -> Outcome {
+        let (_message, meta, _defect, acker) = delivery.into_parts();
         let outcome = Outcome::RetryLater {
-            key: self.inner.key.extract(&message).ok(),
+            key,
             attempts: 0,
             delay,
             error: "an earlier delivery of this key waits for its retry".into(),
@@ -164,5 +163,52 @@ fn count(summary: &mut Summary, done: Result<OutcomeKind, tokio::task::JoinError
         Ok(kind) => summary.record(kind),
         // The delivery was dropped unsettled: its source redelivers it.
         Err(e) => tracing::error!(error = %e, "a message task failed"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use crate::source::queue::MemoryQueue;
+    use crate::store::memory::MemoryStore;
+    use crate::{Consumer, HandlerError, KeySpec, Message, OutcomeKind};
+
+    /// A delivery nacked without a delay comes straight back. Its lane is
+    /// released before the nack, so the redelivery runs at once (one retry
+    /// in all) instead of queueing behind its own earlier attempt and being
+    /// deferred as "an earlier delivery of this key waits for its retry".
+    #[tokio::test]
+    async fn a_redelivery_without_delay_is_not_deferred_behind_itself() {
+        for _ in 0..20 {
+            let calls = Arc::new(AtomicU32::new(0));
+            let consumer = Consumer::builder("lanes", MemoryStore::new())
+                .key(KeySpec::json("/id"))
+                .handler_fn({
+                    let calls = Arc::clone(&calls);
+                    move |_ctx, _lease| {
+                        let calls = Arc::clone(&calls);
+                        Box::pin(async move {
+                            if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                                Err(HandlerError::retryable("once")
+                                    .with_retry_after(Duration::ZERO))
+                            } else {
+                                Ok(None)
+                            }
+                        })
+                    }
+                })
+                .build()
+                .unwrap();
+            let queue = MemoryQueue::new("q");
+            queue.push(Message::new(r#"{"id":1}"#));
+            queue.close();
+            let summary = consumer.run(queue.source()).await.unwrap();
+            assert_eq!(summary.count(OutcomeKind::RetryLater), 1, "{summary}");
+            assert_eq!(summary.count(OutcomeKind::Processed), 1, "{summary}");
+            assert_eq!(calls.load(Ordering::SeqCst), 2);
+        }
     }
 }

@@ -15,8 +15,11 @@
 //! the inbox keeps one row per key again (prune it as usual).
 //!
 //! The mode needs deliveries that carry a topic, a partition and an offset
-//! and arrive in offset order within a partition (the Kafka source hands
-//! out one unsettled record per partition). A delivery without them is
+//! and arrive in offset order within a partition, one at a time: the
+//! watermark moves to the highest offset applied, so a later record must
+//! never commit before an earlier one. The Kafka source hands out one
+//! unsettled record per partition here (this mode never asks it for more,
+//! see [`Source::settle_out_of_order`]). A delivery without them is
 //! dead-lettered as invalid input. A dead-lettered record also moves the
 //! watermark, so a re-read does not dead-letter it again.
 //!
@@ -35,13 +38,14 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use super::consumer::Consumer;
+use super::consumer::{Consumer, Identity};
 use super::lanes::LaneRelease;
 use crate::error::{InputError, SourceError, StoreError};
 use crate::message::{DeliveryMeta, Message};
+use crate::outcome::DeadLetterReason;
 use crate::outcome::{Outcome, Summary};
 use crate::source::{Delivery, OffsetLookup, Source};
-use crate::store::{ClaimRequest, DeadLetterReason, InboxRecord, OffsetClaim, OffsetStore};
+use crate::store::{ClaimRequest, InboxRecord, OffsetClaim, OffsetStore};
 
 /// How [`Consumer::run_watermarked`] deduplicates.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -121,11 +125,11 @@ impl<S: OffsetStore> Consumer<S> {
             }))
             .await;
         let consumer = self.clone();
-        self.run_with(source, shutdown, move |delivery, lane| {
+        self.run_with(source, shutdown, move |delivery, identity, lane| {
             let consumer = consumer.clone();
             async move {
                 consumer
-                    .process_watermarked_in_lane(delivery, options, lane)
+                    .process_watermarked_in_lane(delivery, identity, options, lane)
                     .await
             }
         })
@@ -138,21 +142,24 @@ impl<S: OffsetStore> Consumer<S> {
         delivery: Delivery,
         options: WatermarkOptions,
     ) -> Outcome {
-        self.process_watermarked_in_lane(delivery, options, LaneRelease::none())
+        let identity = self.identify(&delivery.message, delivery.defect.as_ref());
+        self.process_watermarked_in_lane(delivery, identity, options, LaneRelease::none())
             .await
     }
 
-    /// [`process_watermarked`](Self::process_watermarked), releasing `lane`
-    /// once the outcome is decided and before the delivery is settled.
+    /// [`process_watermarked`](Self::process_watermarked) of a delivery
+    /// identified already, releasing `lane` once the outcome is decided and
+    /// before the delivery is settled.
     async fn process_watermarked_in_lane(
         &self,
         delivery: Delivery,
+        identity: Identity,
         options: WatermarkOptions,
         lane: LaneRelease,
     ) -> Outcome {
         let (message, meta, defect, acker) = delivery.into_parts();
         let outcome = self
-            .decide_watermarked(&message, &meta, defect, options)
+            .decide_watermarked(&message, &meta, defect, identity, options)
             .await;
         lane.release(&outcome);
         self.settle(&outcome, acker).await;
@@ -165,6 +172,7 @@ impl<S: OffsetStore> Consumer<S> {
         message: &Message,
         meta: &DeliveryMeta,
         defect: Option<InputError>,
+        identity: Identity,
         options: WatermarkOptions,
     ) -> Outcome {
         let inner = &*self.inner;
@@ -177,7 +185,7 @@ impl<S: OffsetStore> Consumer<S> {
         };
         let record_id = format!("{}-{}@{}", at.topic, at.partition, at.offset);
         let ids = if options.dedup_keys {
-            Some(self.identify(message, defect))
+            Some(identity)
         } else {
             defect.map(|defect| Err((None, DeadLetterReason::InvalidInput(defect))))
         };
@@ -196,7 +204,10 @@ impl<S: OffsetStore> Consumer<S> {
             .claim_offset(consumer, at.topic, at.partition, at.offset)
             .await
         {
-            Ok(OffsetClaim::New(tx)) => tx,
+            Ok(OffsetClaim::New(tx)) => {
+                crate::failpoint::failpoint!("after_claim");
+                tx
+            }
             Ok(OffsetClaim::Applied { .. }) => {
                 return Outcome::Duplicate {
                     record: InboxRecord {
@@ -259,15 +270,21 @@ impl<S: OffsetStore> Consumer<S> {
                 .await;
             return self.advance_after(outcome, &at).await;
         }
-        match self.call_handler(&mut tx, &req, message, meta).await {
+        let result = self.call_handler(&mut tx, &req, message, meta).await;
+        crate::failpoint::failpoint!("after_handler");
+        match result {
             Ok(value) => {
                 let keyed = options.dedup_keys.then_some((&req, value.as_ref()));
+                crate::failpoint::failpoint!("before_commit");
                 match inner
                     .store
                     .commit_offset(tx, consumer, at.topic, at.partition, at.offset, keyed)
                     .await
                 {
-                    Ok(()) => Outcome::Processed { key, result: value },
+                    Ok(()) => {
+                        crate::failpoint::failpoint!("after_commit_before_ack");
+                        Outcome::Processed { key, result: value }
+                    }
                     Err(e) => self.busy(Some(key), format!("commit failed: {e}")),
                 }
             }

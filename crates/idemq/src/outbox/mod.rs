@@ -56,7 +56,7 @@
 //! - A publish fails or times out: the row stays, its `attempts` grows and
 //!   it is retried after a backoff; later rows of its key wait.
 //! - A row fails [`RelayOptions::max_attempts`] times, or with an error a
-//!   retry cannot cure (a [`SourceError::Config`](crate::SourceError::Config)
+//!   retry cannot cure (a [`SourceErrorKind::Config`](crate::SourceErrorKind::Config)(crate::SourceError::config)
 //!   from the publisher, a `headers` column that is not a JSON object): it
 //!   moves to `{prefix}outbox_dead` with the reason, in the transaction that
 //!   deletes it, and its key's later rows go on ([`Outbox::dead_letters`]
@@ -67,6 +67,10 @@
 //!   consumer's inbox (keyed by `event_id`) drops the copy.
 //!
 //! See `docs/outbox.md` for the whole chain.
+//!
+//! [`Message::id`]: crate::Message::id
+//! [`Message::key`]: crate::Message::key
+//! [`Message::payload`]: crate::Message::payload
 
 mod db;
 mod relay;
@@ -79,8 +83,9 @@ pub use schema::{OUTBOX_DEAD_SCHEMA_VERSION, OUTBOX_SCHEMA_VERSION};
 
 use crate::error::ConfigError;
 use crate::message::Headers;
+use crate::store::sql::SqlDatabase;
 use crate::store::sql::{Queries, Tables};
-use db::{Bind, Ops};
+use db::Bind;
 use schema::Statements;
 
 /// The header that carries the outbox row's id (also [`Message::id`](crate::Message::id)).
@@ -117,6 +122,12 @@ impl From<ConfigError> for OutboxError {
 }
 
 impl OutboxError {
+    /// Whether the database says the outbox table does not exist (see
+    /// [`is_missing_table`](crate::store::sql::is_missing_table)).
+    pub fn is_missing_table(&self) -> bool {
+        matches!(self, OutboxError::Database(e) if crate::store::sql::is_missing_table(e))
+    }
+
     /// Whether retrying may help (lost connection, deadlock, busy database).
     pub fn is_transient(&self) -> bool {
         match self {
@@ -127,16 +138,11 @@ impl OutboxError {
     }
 }
 
-/// A database the outbox runs on: PostgreSQL, MySQL/MariaDB and SQLite, as
-/// far as their cargo features are on. Sealed.
-pub trait OutboxDatabase: Ops {}
+/// A database the outbox runs on: every [`SqlDatabase`] (PostgreSQL,
+/// MySQL/MariaDB and SQLite, as far as their cargo features are on).
+pub trait OutboxDatabase: SqlDatabase {}
 
-#[cfg(feature = "postgres")]
-impl OutboxDatabase for sqlx::Postgres {}
-#[cfg(feature = "mysql")]
-impl OutboxDatabase for sqlx::MySql {}
-#[cfg(feature = "sqlite")]
-impl OutboxDatabase for sqlx::Sqlite {}
+impl<DB: SqlDatabase> OutboxDatabase for DB {}
 
 /// One event to write: [`Outbox::enqueue`] takes its parts, [`Outbox::enqueue_event`] all of it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -330,38 +336,10 @@ impl<DB: OutboxDatabase> Outbox<DB> {
     /// Safe to run concurrently and repeatedly; independent of the inbox's
     /// migrations.
     pub async fn migrate(&self, pool: &sqlx::Pool<DB>) -> Result<(), OutboxError> {
-        let q = Queries::new(DB::DIALECT, &self.tables);
-        let mut tx = pool.begin().await?;
-        if let Some(lock) = &q.migrate_lock {
-            DB::execute(&mut *tx, lock, &[]).await?;
-        }
-        let outcome: Result<(), sqlx::Error> = async {
-            DB::execute(&mut *tx, &q.create_migrations_table, &[]).await?;
-            let applied = DB::fetch_ints(&mut *tx, &q.applied_versions, &[]).await?;
-            for (version, steps) in &self.statements.migrations {
-                if applied.contains(version) {
-                    continue;
-                }
-                for step in steps {
-                    DB::execute(&mut *tx, step, &[]).await?;
-                }
-                let binds = [Bind::Int(*version), Bind::Int(crate::store::now_ms())];
-                DB::execute(&mut *tx, &q.record_version, &binds).await?;
-                tracing::info!(table = %self.statements.table, version, "applied an outbox schema migration");
-            }
-            Ok(())
-        }
-        .await;
-        if let Some(unlock) = &q.migrate_unlock {
-            DB::execute(&mut *tx, unlock, &[]).await?;
-        }
-        match outcome {
-            Ok(()) => Ok(tx.commit().await?),
-            Err(e) => {
-                let _ = tx.rollback().await;
-                Err(e.into())
-            }
-        }
+        let queries = Queries::new(DB::DIALECT, &self.tables);
+        crate::store::sql::migrate::<DB>(pool, &queries, &self.statements.migrations, "outbox")
+            .await?;
+        Ok(())
     }
 
     /// Writes one event for `destination` with `key` (the aggregate id),
@@ -428,14 +406,17 @@ impl<DB: OutboxDatabase> Outbox<DB> {
     ) -> Result<Vec<DeadEvent>, OutboxError> {
         let mut conn = pool.acquire().await?;
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        Ok(DB::fetch_dead(&mut *conn, &self.statements.dead_rows, &[Bind::Int(limit)]).await?)
+        Ok(
+            db::fetch_dead::<DB>(&mut conn, &self.statements.dead_rows, &[Bind::Int(limit)])
+                .await?,
+        )
     }
 
     /// How many rows wait in the outbox (unpublished, or published and not
     /// yet deleted).
     pub async fn pending(&self, pool: &sqlx::Pool<DB>) -> Result<u64, OutboxError> {
         let mut conn = pool.acquire().await?;
-        let n = DB::fetch_ints(&mut *conn, &self.statements.count, &[]).await?;
+        let n = db::fetch_ints::<DB>(&mut conn, &self.statements.count, &[]).await?;
         Ok(n.first().map_or(0, |n| u64::try_from(*n).unwrap_or(0)))
     }
 }

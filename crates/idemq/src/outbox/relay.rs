@@ -13,7 +13,7 @@ use super::db::{Bind, RawRow};
 use super::{Outbox, OutboxDatabase, OutboxError, EVENT_ID_HEADER, EVENT_TYPE_HEADER};
 use crate::message::{Headers, Message};
 use crate::source::Publisher;
-use crate::SourceError;
+use crate::SourceErrorKind;
 
 /// At most this many seqs go into one `IN (…)` list of a delete.
 const DELETE_CHUNK: usize = 500;
@@ -146,7 +146,7 @@ impl std::fmt::Display for RelayStats {
 /// when its publish has failed
 /// [`max_attempts`](RelayOptions::max_attempts) times, or at once when the
 /// failure is one a retry cannot cure: the publisher returned
-/// [`SourceError::Config`] (the way a [`Publisher`] says "never this
+/// [`SourceErrorKind::Config`](crate::SourceErrorKind::Config) (the way a [`Publisher`] says "never this
 /// message"), or the row's `headers` column is not a JSON object. The batch
 /// then goes on with the key's next row. Other publisher errors (broker,
 /// I/O, timeouts) are retried.
@@ -279,10 +279,11 @@ impl<DB: OutboxDatabase> Relay<DB> {
         let destinations = self.destinations();
         let mut report = BatchReport::default();
 
-        let mut tx = DB::begin(&self.pool).await?;
+        let mut tx = DB::begin_write(&self.pool).await?;
         let mut binds: Vec<Bind<'_>> = destinations.iter().map(|d| Bind::Text(d)).collect();
         binds.extend([Bind::Int(now), Bind::Int(batch)]);
-        let heads = DB::fetch_ints(&mut *tx, &st.heads(destinations.len()), &binds).await?;
+        let heads =
+            super::db::fetch_ints::<DB>(&mut tx, &st.heads(destinations.len()), &binds).await?;
         report.ready_keys = heads.len();
         if heads.is_empty() {
             tx.rollback().await?;
@@ -290,7 +291,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
         }
         let mut binds: Vec<Bind<'_>> = heads.iter().map(|s| Bind::Int(*s)).collect();
         binds.push(Bind::Int(now));
-        let locked = DB::fetch_keys(&mut *tx, &st.lock(heads.len()), &binds).await?;
+        let locked = super::db::fetch_keys::<DB>(&mut tx, &st.lock(heads.len()), &binds).await?;
         report.locked_keys = locked.len();
         if locked.is_empty() {
             tx.rollback().await?;
@@ -302,7 +303,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
             binds.push(Bind::Text(key));
         }
         binds.push(Bind::Int(batch));
-        let rows = DB::fetch_rows(&mut *tx, &st.rows(locked.len()), &binds).await?;
+        let rows = super::db::fetch_rows::<DB>(&mut tx, &st.rows(locked.len()), &binds).await?;
         report.rows = rows.len();
 
         let Outcome {
@@ -427,7 +428,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
         {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => {
-                let permanent = matches!(e, SourceError::Config(_));
+                let permanent = e.kind() == SourceErrorKind::Config;
                 Err((e.to_string(), permanent))
             }
             Err(_) => Err((

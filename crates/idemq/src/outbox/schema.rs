@@ -182,21 +182,7 @@ fn list(n: usize) -> String {
 
 /// Numbers the placeholders for PostgreSQL.
 fn finish(dialect: Dialect, sql: String) -> String {
-    if dialect != Dialect::Postgres {
-        return sql;
-    }
-    let mut out = String::with_capacity(sql.len() + 16);
-    let mut n = 0;
-    for c in sql.chars() {
-        if c == '?' {
-            n += 1;
-            out.push('$');
-            out.push_str(&n.to_string());
-        } else {
-            out.push(c);
-        }
-    }
-    out
+    dialect.placeholders(sql)
 }
 
 /// The table in the Debezium outbox event router's layout (`id`,

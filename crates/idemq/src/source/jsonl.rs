@@ -122,7 +122,7 @@ impl Shared {
             state.watermark()
         };
         let text =
-            serde_json::to_string(&checkpoint).map_err(|e| SourceError::Other(e.to_string()))?;
+            serde_json::to_string(&checkpoint).map_err(|e| SourceError::other(e.to_string()))?;
         let tmp = path.with_extension("checkpoint.tmp");
         tokio::fs::write(&tmp, text).await?;
         tokio::fs::rename(&tmp, path).await?;
@@ -133,6 +133,10 @@ impl Shared {
 /// A JSON-lines file or stdin as a source of messages.
 pub struct JsonLinesSource {
     reader: Option<Box<dyn AsyncBufRead + Unpin + Send>>,
+    /// The bytes of a line read so far: kept across calls, so that a
+    /// [`next`](Source::next) cancelled in the middle of a line (a batch's
+    /// wait ending, an idle timeout) loses nothing of it.
+    partial: Vec<u8>,
     shared: Arc<Shared>,
 }
 
@@ -214,6 +218,7 @@ impl JsonLinesSource {
     ) -> Self {
         Self {
             reader: Some(reader),
+            partial: Vec::new(),
             shared: Arc::new(Shared {
                 state: Mutex::new(State {
                     read: start,
@@ -228,20 +233,22 @@ impl JsonLinesSource {
     }
 
     /// Reads the next non-blank line, or `None` at the end of input.
+    /// Cancel-safe: the bytes of a line read before a cancellation stay in
+    /// `partial` and the next call completes the line.
     async fn read_line(&mut self) -> Result<Option<Line>, SourceError> {
         let Some(reader) = self.reader.as_mut() else {
             return Ok(None);
         };
         loop {
-            let mut bytes = Vec::new();
-            let n = reader.read_until(b'\n', &mut bytes).await?;
-            if n == 0 {
+            let n = reader.read_until(b'\n', &mut self.partial).await?;
+            if n == 0 && self.partial.is_empty() {
                 self.reader = None;
                 return Ok(None);
             }
+            let mut bytes = std::mem::take(&mut self.partial);
             let mut state = self.shared.state();
             let start = state.read.offset;
-            state.read.offset += n as u64;
+            state.read.offset += bytes.len() as u64;
             state.read.line += 1;
             let number = state.read.line;
             while matches!(bytes.last(), Some(b'\n' | b'\r')) {
@@ -457,6 +464,37 @@ fn parse_line(bytes: &[u8]) -> Result<Message, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// A `next` cancelled while half a line has arrived (as a batch's wait
+    /// or an idle timeout cancels it) loses nothing: the next call returns
+    /// the whole line, not two torn ones.
+    #[tokio::test]
+    async fn a_cancelled_read_keeps_the_half_line() {
+        let (mut writer, reader) = tokio::io::duplex(64);
+        let mut source = JsonLinesSource::from_reader(BufReader::new(reader), "pipe");
+        writer
+            .write_all(br#"{"id":"m-1","payload":{"ord"#)
+            .await
+            .unwrap();
+        let cut = tokio::time::timeout(Duration::from_millis(50), source.next()).await;
+        assert!(cut.is_err(), "no whole line yet: the read is cancelled");
+        writer.write_all(b"er_id\":7}}\n").await.unwrap();
+        drop(writer);
+        let delivery = source.next().await.unwrap().expect("the whole line");
+        assert!(delivery.defect.is_none(), "{:?}", delivery.defect);
+        assert_eq!(delivery.message.id.as_deref(), Some("m-1"));
+        assert_eq!(
+            {
+                let v: serde_json::Value = delivery.message.json().unwrap();
+                v["order_id"].clone()
+            },
+            7
+        );
+        let (_, _, _, acker) = delivery.into_parts();
+        acker.ack().await.unwrap();
+        assert!(source.next().await.unwrap().is_none());
+    }
 
     #[test]
     fn envelopes_and_bare_lines() {

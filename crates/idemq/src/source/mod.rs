@@ -13,10 +13,11 @@ use async_trait::async_trait;
 
 use crate::error::{InputError, SourceError, StoreError};
 use crate::message::{DeliveryMeta, Message};
-use crate::store::DeadLetterReason;
+use crate::outcome::DeadLetterReason;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
+pub mod idle;
 pub mod jsonl;
 #[cfg(feature = "kafka")]
 pub mod kafka;
@@ -27,6 +28,7 @@ pub mod nats;
 pub mod queue;
 #[cfg(feature = "redis-streams")]
 pub mod redis_stream;
+pub mod registry;
 #[cfg(feature = "rocketmq")]
 pub mod rocketmq;
 #[cfg(feature = "sqs")]
@@ -42,9 +44,13 @@ pub trait Acknowledger: Send + Sync {
     /// Deliver the message again after `delay`.
     async fn nack(self: Box<Self>, delay: Duration) -> Result<(), SourceError>;
 
-    /// The message was written to the dead-letter table; forward it to the
-    /// source's own dead-letter destination if it has one, then ack.
-    async fn dead_letter(self: Box<Self>, reason: &DeadLetterReason) -> Result<(), SourceError> {
+    /// The engine wrote the message to the store's dead-letter table
+    /// ([`Store::dead_letter`](crate::store::Store::dead_letter)); forward it
+    /// to the source's own dead-letter destination if it has one, then ack.
+    async fn forward_dead_letter(
+        self: Box<Self>,
+        reason: &DeadLetterReason,
+    ) -> Result<(), SourceError> {
         let _ = reason;
         self.ack().await
     }
@@ -154,6 +160,18 @@ pub trait Source: Send {
     async fn resume_from(&mut self, lookup: Arc<dyn OffsetLookup>) {
         let _ = lookup;
     }
+
+    /// The engine's per-message loop calls this once, before its run: it
+    /// keeps the order of each business key itself (key lanes) and settles
+    /// deliveries in any order. A source that hands out one unsettled
+    /// delivery per partition to keep the partition's order (Kafka) may then
+    /// hand out up to `per_partition` at once; it must still never commit
+    /// past an unsettled delivery. Modes that rely on partition order (batch,
+    /// offset watermark) never call it. The default ignores it; wrappers
+    /// should forward it.
+    fn settle_out_of_order(&mut self, per_partition: usize) {
+        let _ = per_partition;
+    }
 }
 
 #[async_trait]
@@ -164,6 +182,10 @@ impl<S: Source + ?Sized> Source for Box<S> {
 
     async fn resume_from(&mut self, lookup: Arc<dyn OffsetLookup>) {
         (**self).resume_from(lookup).await
+    }
+
+    fn settle_out_of_order(&mut self, per_partition: usize) {
+        (**self).settle_out_of_order(per_partition)
     }
 
     async fn close(&mut self) {

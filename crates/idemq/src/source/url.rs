@@ -30,7 +30,7 @@
 //! - Counts ([`parse_count`]) are whole numbers written with ASCII digits
 //!   only; flags ([`parse_bool`]) are `true`/`1`/`yes`/empty or
 //!   `false`/`0`/`no`.
-//! - Every error is a [`SourceError::Config`] reading
+//! - Every error is a [`SourceErrorKind::Config`](crate::SourceErrorKind::Config) reading
 //!   `invalid <Broker> URL "<url>": <why>`, with the user info of the URL
 //!   replaced by `<credentials>` so that no password reaches a log.
 //!
@@ -140,9 +140,9 @@ impl<'a> BrokerUrl<'a> {
         Ok(parsed)
     }
 
-    /// A [`SourceError::Config`] about this URL (its credentials hidden).
+    /// A [`SourceErrorKind::Config`](crate::SourceErrorKind::Config) about this URL (its credentials hidden).
     pub(crate) fn error(&self, why: impl Display) -> SourceError {
-        SourceError::Config(format!(
+        SourceError::config(format!(
             "invalid {} URL {:?}: {why}",
             self.broker,
             redact(self.raw)
@@ -237,16 +237,17 @@ impl<'a> BrokerUrl<'a> {
 }
 
 impl Param<'_> {
-    /// A [`SourceError::Config`] about this parameter.
+    /// A [`SourceErrorKind::Config`](crate::SourceErrorKind::Config) about this parameter.
     pub(crate) fn error(&self, why: impl Display) -> SourceError {
         self.url.error(why)
     }
 
-    /// `e`, a plain [`SourceError::Config`], as an error about this URL.
+    /// `e`, a plain [`SourceErrorKind::Config`](crate::SourceErrorKind::Config), as an error about this URL.
     fn in_context(&self, e: SourceError) -> SourceError {
-        match e {
-            SourceError::Config(why) => self.error(why),
-            other => other,
+        if e.kind() == crate::error::SourceErrorKind::Config {
+            self.error(e.message())
+        } else {
+            e
         }
     }
 
@@ -295,7 +296,7 @@ impl Param<'_> {
 /// (`500ms`, `30s`, `1m30s`, `7d`); a bare number counts as `bare` says.
 pub(crate) fn parse_duration(name: &str, value: &str, bare: Bare) -> Result<Duration, SourceError> {
     let bad = || {
-        SourceError::Config(format!(
+        SourceError::config(format!(
             "{name} must be a duration such as 500ms, 30s, 1m30s, 2h or 7d, not {value:?}"
         ))
     };
@@ -346,9 +347,9 @@ pub(crate) fn parse_count<T: TryFrom<u64>>(name: &str, value: &str) -> Result<T,
         .ok()
         .filter(|_| value.bytes().all(|b| b.is_ascii_digit()))
         .ok_or_else(|| {
-            SourceError::Config(format!("{name} must be a whole number, not {value:?}"))
+            SourceError::config(format!("{name} must be a whole number, not {value:?}"))
         })?;
-    T::try_from(n).map_err(|_| SourceError::Config(format!("{name}={n} is too large")))
+    T::try_from(n).map_err(|_| SourceError::config(format!("{name}={n} is too large")))
 }
 
 /// `value` of parameter `name` as a flag: `true`, `1`, `yes` or empty (a
@@ -357,10 +358,55 @@ pub(crate) fn parse_bool(name: &str, value: &str) -> Result<bool, SourceError> {
     match value {
         "" | "true" | "1" | "yes" => Ok(true),
         "false" | "0" | "no" => Ok(false),
-        other => Err(SourceError::Config(format!(
+        other => Err(SourceError::config(format!(
             "{name} must be true or false, not {other:?}"
         ))),
     }
+}
+
+/// `url` with `name=value` added to its query unless it already sets
+/// `name` (a parameter only a consumer needs, given a default for a
+/// publisher).
+pub(crate) fn with_default_param(url: &str, name: &str, value: &str) -> String {
+    let query = url.split_once('?').map_or("", |(_, q)| q);
+    if query
+        .split('&')
+        .any(|pair| pair.split('=').next() == Some(name))
+    {
+        return url.to_owned();
+    }
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{name}={value}")
+}
+
+/// `url` with query parameter `name` set to `value` (replaced if present).
+pub(crate) fn set_param(url: &str, name: &str, value: &str) -> String {
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    let mut pairs: Vec<&str> = query
+        .split('&')
+        .filter(|p| !p.is_empty() && p.split('=').next() != Some(name))
+        .collect();
+    let pair = format!("{name}={value}");
+    pairs.push(&pair);
+    format!("{base}?{}", pairs.join("&"))
+}
+
+/// The raw (not decoded) value of query parameter `name` of `url`; the
+/// last one when it occurs twice.
+pub(crate) fn raw_param<'u>(url: &'u str, name: &str) -> Option<&'u str> {
+    let (_, query) = url.split_once('?')?;
+    query.split('&').rev().find_map(|pair| {
+        let (n, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (n == name).then_some(v)
+    })
+}
+
+/// The URL of the `slot`-th of several competing consumers of `url`, where
+/// each needs a name of its own (`param`): `{name}-w{slot}`, the name being
+/// the URL's own or `default`.
+pub(crate) fn competing_with(url: &str, param: &str, default: &str, slot: usize) -> String {
+    let base = raw_param(url, param).unwrap_or(default);
+    set_param(url, param, &format!("{base}-w{slot}"))
 }
 
 /// `url` with its user info replaced by `<credentials>`: everything up to
@@ -408,11 +454,49 @@ fn decode(text: &str) -> Result<String, String> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn params_are_set_and_read() {
+        assert_eq!(set_param("k://h/t", "a", "1"), "k://h/t?a=1");
+        assert_eq!(set_param("k://h/t?a=0&b=2", "a", "1"), "k://h/t?b=2&a=1");
+        assert_eq!(raw_param("k://h/t?a=0&b=2&a=3", "a"), Some("3"));
+        assert_eq!(raw_param("k://h/t?ab=0", "a"), None);
+        assert_eq!(
+            competing_with("m://h/t?client_id=c", "client_id", "idemq", 1),
+            "m://h/t?client_id=c-w1"
+        );
+        assert_eq!(
+            competing_with("r://h/s?group=g", "consumer", "idemq", 0),
+            "r://h/s?group=g&consumer=idemq-w0"
+        );
+    }
+
+    #[test]
+    fn default_params_do_not_override() {
+        assert_eq!(
+            with_default_param("k://h/t", "group", "g"),
+            "k://h/t?group=g"
+        );
+        assert_eq!(
+            with_default_param("k://h/t?a=1", "group", "g"),
+            "k://h/t?a=1&group=g"
+        );
+        assert_eq!(
+            with_default_param("k://h/t?group=x", "group", "g"),
+            "k://h/t?group=x"
+        );
+        assert_eq!(
+            with_default_param("k://h/t?mygroup=x", "group", "g"),
+            "k://h/t?mygroup=x&group=g"
+        );
+    }
+
     fn config_text(e: SourceError) -> String {
-        match e {
-            SourceError::Config(text) => text,
-            other => panic!("not a configuration error: {other:?}"),
-        }
+        assert_eq!(
+            e.kind(),
+            crate::error::SourceErrorKind::Config,
+            "not a configuration error: {e:?}"
+        );
+        e.message().to_owned()
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! completion turns it into `done(fingerprint, result)` by compare-and-set on
 //! the token. A lease that expires (the worker died or stalled) can be taken
 //! over by another claim; the stale holder's completion is then refused with
-//! [`StoreError::LeaseLost`]. Nothing survives the process: use a SQL store
+//! [`StoreErrorKind::LeaseLost`](crate::StoreErrorKind::LeaseLost). Nothing survives the process: use a SQL store
 //! (or Redis) for a real exactly-once guarantee across restarts.
 
 use std::collections::{BTreeMap, HashMap};
@@ -149,7 +149,7 @@ impl Store for MemoryStore {
                 first_seen_ms,
                 ..
             }) if *token == lease.token => *first_seen_ms,
-            _ => return Err(StoreError::LeaseLost { key: lease.key }),
+            _ => return Err(StoreError::lease_lost(&lease.key)),
         };
         state.keys.insert(
             id.clone(),
@@ -407,6 +407,7 @@ impl StoreAdmin for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::StoreErrorKind;
     use std::time::Duration;
 
     #[tokio::test]
@@ -421,10 +422,10 @@ mod tests {
         let Claim::New(fresh) = store.claim(&r).await.unwrap() else {
             panic!("the released key must be claimable at once")
         };
-        assert!(matches!(
-            store.commit(stale, &r, None).await,
-            Err(StoreError::LeaseLost { .. })
-        ));
+        assert_eq!(
+            store.commit(stale, &r, None).await.map_err(|e| e.kind()),
+            Err(StoreErrorKind::LeaseLost)
+        );
         store.commit(fresh, &r, None).await.unwrap();
         assert!(
             !store.release("c", "k").await.unwrap(),
@@ -452,10 +453,13 @@ mod tests {
             panic!("expired lease must be taken over")
         };
         assert!(second.fencing_token() > first.fencing_token());
-        assert!(matches!(
-            store.commit(first, &req(0), None).await,
-            Err(StoreError::LeaseLost { .. })
-        ));
+        assert_eq!(
+            store
+                .commit(first, &req(0), None)
+                .await
+                .map_err(|e| e.kind()),
+            Err(StoreErrorKind::LeaseLost)
+        );
         store.commit(second, &req(0), None).await.unwrap();
         assert!(matches!(
             store.claim(&req(10)).await.unwrap(),

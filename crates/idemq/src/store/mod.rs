@@ -15,8 +15,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 
 use crate::effect::EffectJournal;
-use crate::error::{InputError, StoreError};
+use crate::error::StoreError;
 use crate::message::{DeliveryMeta, Message};
+use crate::outcome::DeadLetterReason;
 
 pub mod cache;
 pub mod memory;
@@ -75,41 +76,6 @@ pub struct AttemptRecord {
     pub first_failed_ms: i64,
     /// Last failure, ms since the epoch.
     pub last_failed_ms: i64,
-}
-
-/// Why a message was dead-lettered.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DeadLetterReason {
-    /// The message itself is unusable (no key, malformed, too long, ...).
-    InvalidInput(InputError),
-    /// The key was processed before with a different payload.
-    Conflict,
-    /// The handler reported a permanent failure.
-    PermanentFailure,
-    /// The handler failed retryably on every one of the allowed attempts.
-    RetriesExhausted,
-    /// The broker delivered it more often than the allowed attempts (the consumer
-    /// probably crashed while handling it each time).
-    DeliveryLimit,
-}
-
-impl DeadLetterReason {
-    /// The stable code stored in the `reason` column.
-    pub fn code(&self) -> &'static str {
-        match self {
-            DeadLetterReason::InvalidInput(e) => e.code(),
-            DeadLetterReason::Conflict => "conflict",
-            DeadLetterReason::PermanentFailure => "permanent_failure",
-            DeadLetterReason::RetriesExhausted => "retries_exhausted",
-            DeadLetterReason::DeliveryLimit => "delivery_limit",
-        }
-    }
-}
-
-impl std::fmt::Display for DeadLetterReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.code())
-    }
 }
 
 /// A dead letter to write.

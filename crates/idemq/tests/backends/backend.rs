@@ -179,6 +179,24 @@ sql_test_store!(
     "INSERT INTO {} (msg_key, amount) VALUES (?, ?)"
 );
 
+/// A SQL store under a new table prefix, not migrated: its tables do not
+/// exist. Returns the store, the prefix, and the SQLite file's directory.
+pub async fn unmigrated<S: SqlTestStore>() -> (S, String, Option<tempfile::TempDir>) {
+    let prefix = unique_prefix();
+    let (url, dir) = if S::DEFAULT_URL.is_empty() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite://{}", dir.path().join("test.db").display());
+        (url, Some(dir))
+    } else {
+        (
+            std::env::var(S::URL_ENV).unwrap_or_else(|_| S::DEFAULT_URL.to_owned()),
+            None,
+        )
+    };
+    let store = S::open(&url, &prefix).await;
+    (store, prefix, dir)
+}
+
 /// A SQL store whose handler writes the ledger through the claim's transaction.
 pub struct SqlBackend<S> {
     store: S,
@@ -195,18 +213,7 @@ where
     type S = S;
 
     async fn fresh() -> Self {
-        let prefix = unique_prefix();
-        let (url, dir) = if S::DEFAULT_URL.is_empty() {
-            let dir = tempfile::tempdir().expect("temp dir");
-            let url = format!("sqlite://{}", dir.path().join("test.db").display());
-            (url, Some(dir))
-        } else {
-            (
-                std::env::var(S::URL_ENV).unwrap_or_else(|_| S::DEFAULT_URL.to_owned()),
-                None,
-            )
-        };
-        let store = S::open(&url, &prefix).await;
+        let (store, prefix, dir) = unmigrated::<S>().await;
         store.migrate().await.expect("migrate");
         let ledger = format!("{prefix}ledger");
         store

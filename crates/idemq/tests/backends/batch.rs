@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemq::engine::BatchOptions;
-use idemq::store::{BatchStore, StoreAdmin};
-use idemq::{Message, OutcomeKind};
+use idemq::store::{BatchStore, Claim, ClaimRequest, Store, StoreAdmin};
+use idemq::{Message, OutcomeKind, StoreErrorKind};
 
-use crate::backend::{Backend, Plan};
+use crate::backend::{unmigrated, Backend, Plan, SqlTestStore};
 use crate::scenarios::{consumer, failing, msg, queue_of, LosingAcks};
 
 macro_rules! batch_suite {
@@ -35,9 +35,46 @@ macro_rules! batch_suite {
                 crate::batch::lost_acks_after_the_commit_are_duplicates::<$backend>().await
             }
         }
+        mod schema {
+            #[tokio::test]
+            async fn missing_tables_are_a_kind_of_error_with_its_cause() {
+                crate::batch::missing_tables_are_a_kind_of_error_with_its_cause::<$backend>().await
+            }
+        }
     };
 }
 pub(crate) use batch_suite;
+
+/// A store whose tables were never created answers every call with a
+/// [`StoreErrorKind::MissingSchema`] error whose source is the database's
+/// own error; after the migration the same store works.
+pub async fn missing_tables_are_a_kind_of_error_with_its_cause<B: Backend>()
+where
+    B::S: SqlTestStore,
+{
+    let (store, _prefix, _dir) = unmigrated::<B::S>().await;
+    let req = ClaimRequest {
+        consumer: "c",
+        key: "k",
+        fingerprint: "f",
+        lease: Duration::from_secs(5),
+    };
+    let claim = store
+        .claim(&req)
+        .await
+        .err()
+        .expect("no tables: the claim fails");
+    assert_eq!(claim.kind(), StoreErrorKind::MissingSchema, "{claim}");
+    let cause = std::error::Error::source(&claim).expect("the database error is the source");
+    assert!(cause.downcast_ref::<sqlx::Error>().is_some(), "{cause:?}");
+    let stats = store.stats().await.expect_err("no tables: stats fail");
+    assert_eq!(stats.kind(), StoreErrorKind::MissingSchema, "{stats}");
+    store.migrate().await.expect("migrate");
+    let Claim::New(tx) = store.claim(&req).await.expect("claim after migrate") else {
+        panic!("a new key after the migration")
+    };
+    store.rollback(tx).await.expect("rollback");
+}
 
 fn options(max_size: usize) -> BatchOptions {
     BatchOptions {

@@ -221,7 +221,8 @@ pub async fn retryable_failure_rolls_back_and_retries_once<B: Backend>() {
 /// offset is another message and gets its own; a deleted letter can be
 /// written again.
 pub async fn a_message_dead_lettered_again_keeps_one_letter<B: Backend>() {
-    use idemq::store::{DeadLetter, DeadLetterReason, Store};
+    use idemq::store::{DeadLetter, Store};
+    use idemq::DeadLetterReason;
     use idemq::DeliveryMeta;
 
     let backend = B::fresh().await;

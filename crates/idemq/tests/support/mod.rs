@@ -14,15 +14,20 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use std::future::Future;
+
 use async_trait::async_trait;
 use idemq::source::{Acknowledger, Delivery, Publisher, Source};
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::sql::SqlOptions;
-use idemq::store::{DeadLetterReason, DeadLetterRecord, Store, StoreAdmin};
+use idemq::store::{DeadLetterRecord, Store, StoreAdmin};
+use idemq::DeadLetterReason;
 use idemq::{
     handler_fn, Consumer, ConsumerBuilder, HandlerError, HandlerResult, KeySpec, Message, Outcome,
     OutcomeKind, RetryPolicy, SourceError, Summary,
 };
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 
 /// The PostgreSQL store's transaction, which the ledger handler writes through.
 pub type PgTx = sqlx::Transaction<'static, sqlx::Postgres>;
@@ -371,7 +376,7 @@ impl Acknowledger for Swallowed {
         self.hold();
         Ok(())
     }
-    async fn dead_letter(
+    async fn forward_dead_letter(
         mut self: Box<Self>,
         _reason: &DeadLetterReason,
     ) -> Result<(), SourceError> {
@@ -401,6 +406,19 @@ impl<S: Source> Source for SwallowAcks<S> {
             None => delivery,
         }))
     }
+
+    // A wrapper forwards what the engine tells the source (see `Source`).
+    async fn close(&mut self) {
+        self.inner.close().await
+    }
+
+    async fn resume_from(&mut self, lookup: Arc<dyn idemq::source::OffsetLookup>) {
+        self.inner.resume_from(lookup).await
+    }
+
+    fn settle_out_of_order(&mut self, per_partition: usize) {
+        self.inner.settle_out_of_order(per_partition)
+    }
 }
 
 /// `n` payments `m-{i}` / `p-{i}` with amounts `i + 1` and the `extra`
@@ -421,9 +439,22 @@ pub fn payments(n: usize, extra: serde_json::Value) -> (Vec<Message>, BTreeMap<S
 }
 
 /// Publishes `messages` in order, then flushes the publisher.
-pub async fn publish_all(publisher: &impl Publisher, messages: &[Message]) {
-    for m in messages {
-        publisher.publish(m).await.expect("publish");
+/// The first send is retried for up to 30 s: a broker may still be
+/// registering, or creating a new topic's route (RocketMQ answers
+/// `broker.operation.failed` until it has).
+pub async fn publish_all<P: Publisher + ?Sized>(publisher: &P, messages: &[Message]) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for (i, m) in messages.iter().enumerate() {
+        loop {
+            match publisher.publish(m).await {
+                Ok(()) => break,
+                Err(e) if i == 0 && Instant::now() < deadline => {
+                    eprintln!("first publish failed, retrying: {e}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => panic!("publish: {e}"),
+            }
+        }
     }
     publisher.flush().await.expect("flush the publisher");
 }
@@ -605,6 +636,19 @@ impl<S: Source> Source for Recorded<S> {
         }
         Ok(delivery)
     }
+
+    // A wrapper forwards what the engine tells the source (see `Source`).
+    async fn close(&mut self) {
+        self.inner.close().await
+    }
+
+    async fn resume_from(&mut self, lookup: Arc<dyn idemq::source::OffsetLookup>) {
+        self.inner.resume_from(lookup).await
+    }
+
+    fn settle_out_of_order(&mut self, per_partition: usize) {
+        self.inner.settle_out_of_order(per_partition)
+    }
 }
 
 /// Polls `done` every 20 ms until it holds or `limit` passes; whether it held.
@@ -763,4 +807,50 @@ pub fn flaky_and_bad() -> [Message; 2] {
         ),
         payment("m-bad", "p-bad", 4, serde_json::json!({ "fail": "retry" })),
     ]
+}
+
+/// A consumer running in a task until stopped (or killed).
+pub struct Running {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<Result<Summary, SourceError>>,
+}
+
+pub fn start(consumer: &Consumer<PostgresStore>, source: impl Source + 'static) -> Running {
+    let (stop, stopped) = oneshot::channel::<()>();
+    let consumer = consumer.clone();
+    let task = tokio::spawn(async move {
+        consumer
+            .run_until(source, async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    Running { stop, task }
+}
+
+impl Running {
+    pub async fn stop(self) -> Summary {
+        let _ = self.stop.send(());
+        self.task.await.unwrap().unwrap()
+    }
+
+    /// Kills the run mid-flight: its source, connection and in-flight
+    /// handlers are dropped without settling anything.
+    pub async fn kill(self) {
+        self.task.abort();
+        assert!(self.task.await.unwrap_err().is_cancelled());
+    }
+}
+
+/// Polls `check` every 50 ms until it holds; panics after `limit`.
+pub async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !check().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

@@ -13,6 +13,9 @@ use std::collections::BTreeMap;
 use anyhow::{Context, Result};
 use idemq::store::{DeadLetterRecord, StoreAdmin};
 
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+use idemq::store::sql::{Column, SqlDatabase, SqlStore};
+
 use crate::backend::{Kind, StoreUrl};
 
 /// What the ledger holds at the end of a cell.
@@ -27,18 +30,66 @@ pub struct LedgerState {
 
 /// A connected store of one cell.
 pub enum CellStore {
-    /// SQLite.
-    #[cfg(feature = "sqlite")]
-    Sqlite(idemq::store::sql::sqlite::SqliteStore),
-    /// PostgreSQL.
-    #[cfg(feature = "postgres")]
-    Postgres(idemq::store::sql::postgres::PostgresStore),
-    /// MySQL / MariaDB.
-    #[cfg(feature = "mysql")]
-    MySql(idemq::store::sql::mysql::MySqlStore),
+    /// A SQL store (SQLite, PostgreSQL, MySQL/MariaDB): one generic side.
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    Sql(Box<dyn SqlCell>),
     /// The Redis lease store, and a connection for the ledger.
     #[cfg(feature = "redis")]
     Redis(idemq::store::redis::RedisStore),
+}
+
+/// What a cell needs of a SQL store: its admin side and plain statements
+/// on its pool. Implemented once, for every [`SqlStore`].
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[async_trait::async_trait]
+pub trait SqlCell: Send + Sync {
+    /// The store's admin side (migrations, dead letters).
+    fn admin(&self) -> &dyn StoreAdmin;
+    /// Runs one statement.
+    async fn execute(&self, sql: &str) -> Result<()>;
+    /// Runs a query of two columns, text and integer.
+    async fn pairs(&self, sql: &str) -> Result<Vec<(String, i64)>>;
+    /// Runs a query of one integer.
+    async fn count(&self, sql: &str) -> Result<i64>;
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[async_trait::async_trait]
+impl<DB: SqlDatabase> SqlCell for SqlStore<DB> {
+    fn admin(&self) -> &dyn StoreAdmin {
+        self
+    }
+
+    async fn execute(&self, sql: &str) -> Result<()> {
+        let mut conn = self.pool().acquire().await?;
+        DB::execute(&mut conn, sql, &[]).await?;
+        Ok(())
+    }
+
+    async fn pairs(&self, sql: &str) -> Result<Vec<(String, i64)>> {
+        let mut conn = self.pool().acquire().await?;
+        DB::fetch(&mut conn, sql, &[], &[Column::Text, Column::Int])
+            .await?
+            .iter()
+            .map(|row| Ok((row.text(0)?, row.int(1)?)))
+            .collect()
+    }
+
+    async fn count(&self, sql: &str) -> Result<i64> {
+        let mut conn = self.pool().acquire().await?;
+        let rows = DB::fetch(&mut conn, sql, &[], &[Column::Int]).await?;
+        Ok(rows.first().map(|row| row.int(0)).transpose()?.unwrap_or(0))
+    }
+}
+
+/// A SQL store of the cell, boxed.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+async fn sql_cell<DB: SqlDatabase>(url: &StoreUrl, prefix: &str) -> Result<CellStore> {
+    let options = idemq::store::sql::SqlOptions::default().table_prefix(prefix);
+    let store = SqlStore::<DB>::connect_with(&url.url, options)
+        .await
+        .with_context(|| format!("connecting to {url}"))?;
+    Ok(CellStore::Sql(Box::new(store)))
 }
 
 /// The Redis keys of a lease-store ledger named `base`: effects by
@@ -63,81 +114,34 @@ pub fn redis_prefix(table_prefix: &str) -> String {
     }
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-macro_rules! sql_rows {
-    ($store:expr, $table:expr) => {{
-        let rows: Vec<(String, i64)> =
-            sqlx::query_as(&format!("SELECT order_id, amount FROM {}", $table))
-                .fetch_all($store.pool())
-                .await?;
-        rows
-    }};
-}
-
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-macro_rules! sql_count {
-    ($store:expr, $table:expr) => {{
-        let (n,): (i64,) = sqlx::query_as(&format!("SELECT COUNT(*) FROM {}", $table))
-            .fetch_one($store.pool())
-            .await?;
-        u64::try_from(n).unwrap_or(0)
-    }};
-}
-
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-macro_rules! sql_exec {
-    ($store:expr, $sql:expr) => {{
-        sqlx::raw_sql($sql).execute($store.pool()).await?;
-    }};
-}
-
 impl CellStore {
     /// Connects to the store `url` names with the cell's table prefix.
     pub async fn connect(url: &StoreUrl, prefix: &str) -> Result<Self> {
-        #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-        let options = idemq::store::sql::SqlOptions::default().table_prefix(prefix);
-        let connecting = || format!("connecting to {url}");
-        Ok(match url.kind {
+        match url.kind {
             #[cfg(feature = "sqlite")]
-            Kind::Sqlite => CellStore::Sqlite(
-                idemq::store::sql::sqlite::SqliteStore::connect_with(&url.url, options)
-                    .await
-                    .with_context(connecting)?,
-            ),
+            Kind::Sqlite => sql_cell::<sqlx::Sqlite>(url, prefix).await,
             #[cfg(feature = "postgres")]
-            Kind::Postgres => CellStore::Postgres(
-                idemq::store::sql::postgres::PostgresStore::connect_with(&url.url, options)
-                    .await
-                    .with_context(connecting)?,
-            ),
+            Kind::Postgres => sql_cell::<sqlx::Postgres>(url, prefix).await,
             #[cfg(feature = "mysql")]
-            Kind::MySql => CellStore::MySql(
-                idemq::store::sql::mysql::MySqlStore::connect_with(&url.url, options)
-                    .await
-                    .with_context(connecting)?,
-            ),
+            Kind::MySql => sql_cell::<sqlx::MySql>(url, prefix).await,
             #[cfg(feature = "redis")]
             Kind::Redis => {
                 use idemq::store::redis::{RedisOptions, RedisStore};
                 let options = RedisOptions::default().prefix(redis_prefix(prefix));
-                CellStore::Redis(
+                Ok(CellStore::Redis(
                     RedisStore::connect_with(&url.url, options)
                         .await
-                        .with_context(connecting)?,
-                )
+                        .with_context(|| format!("connecting to {url}"))?,
+                ))
             }
-        })
+        }
     }
 
     /// The store's admin side (migrations, dead letters).
     fn admin(&self) -> &dyn StoreAdmin {
         match self {
-            #[cfg(feature = "sqlite")]
-            CellStore::Sqlite(s) => s,
-            #[cfg(feature = "postgres")]
-            CellStore::Postgres(s) => s,
-            #[cfg(feature = "mysql")]
-            CellStore::MySql(s) => s,
+            #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+            CellStore::Sql(s) => s.admin(),
             #[cfg(feature = "redis")]
             CellStore::Redis(s) => s,
         }
@@ -160,17 +164,15 @@ impl CellStore {
             .migrate()
             .await
             .context("migrating the idemq tables")?;
-        let create = format!(
-            "CREATE TABLE {table} (order_id VARCHAR(100) NOT NULL, amount BIGINT NOT NULL, \
-             msg_id VARCHAR(200) NULL)"
-        );
         match self {
-            #[cfg(feature = "sqlite")]
-            CellStore::Sqlite(s) => sql_exec!(s, &create),
-            #[cfg(feature = "postgres")]
-            CellStore::Postgres(s) => sql_exec!(s, &create),
-            #[cfg(feature = "mysql")]
-            CellStore::MySql(s) => sql_exec!(s, &create),
+            #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+            CellStore::Sql(s) => {
+                s.execute(&format!(
+                    "CREATE TABLE {table} (order_id VARCHAR(100) NOT NULL, amount BIGINT NOT NULL, \
+                     msg_id VARCHAR(200) NULL)"
+                ))
+                .await?
+            }
             #[cfg(feature = "redis")]
             CellStore::Redis(s) => {
                 let mut conn = s.connection().clone();
@@ -186,12 +188,10 @@ impl CellStore {
     /// How many effects the ledger holds (for pacing the kills).
     pub async fn applied(&self, table: &str) -> Result<u64> {
         Ok(match self {
-            #[cfg(feature = "sqlite")]
-            CellStore::Sqlite(s) => sql_count!(s, table),
-            #[cfg(feature = "postgres")]
-            CellStore::Postgres(s) => sql_count!(s, table),
-            #[cfg(feature = "mysql")]
-            CellStore::MySql(s) => sql_count!(s, table),
+            #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+            CellStore::Sql(s) => {
+                u64::try_from(s.count(&format!("SELECT COUNT(*) FROM {table}")).await?).unwrap_or(0)
+            }
             #[cfg(feature = "redis")]
             CellStore::Redis(s) => {
                 let mut conn = s.connection().clone();
@@ -208,12 +208,11 @@ impl CellStore {
     pub async fn ledger(&self, table: &str) -> Result<LedgerState> {
         let mut state = LedgerState::default();
         let rows: Vec<(String, i64)> = match self {
-            #[cfg(feature = "sqlite")]
-            CellStore::Sqlite(s) => sql_rows!(s, table),
-            #[cfg(feature = "postgres")]
-            CellStore::Postgres(s) => sql_rows!(s, table),
-            #[cfg(feature = "mysql")]
-            CellStore::MySql(s) => sql_rows!(s, table),
+            #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+            CellStore::Sql(s) => {
+                s.pairs(&format!("SELECT order_id, amount FROM {table}"))
+                    .await?
+            }
             #[cfg(feature = "redis")]
             CellStore::Redis(s) => {
                 let mut conn = s.connection().clone();

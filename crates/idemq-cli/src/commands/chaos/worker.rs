@@ -182,10 +182,7 @@ pub async fn run(args: WorkerArgs, global: &crate::GlobalArgs) -> Result<ExitCod
         .open_source(&args.consumer, args.no_checkpoint)
         .await?;
     let summary = consumer
-        .run(Idle {
-            inner: source,
-            idle: args.idle_exit,
-        })
+        .run(idemq::source::idle::IdleExit::new(source, args.idle_exit))
         .await
         .context("reading the input")?;
     println!("consumer {}: {summary}", args.consumer);
@@ -256,28 +253,6 @@ impl idemq::Handler<idemq::store::redis::RedisLease> for FencedLedger {
             }
             Ok(None)
         })
-    }
-}
-
-/// Ends a source when nothing arrives for `idle` (as `consume --idle-exit`).
-#[cfg(feature = "redis")]
-struct Idle {
-    inner: Box<dyn idemq::source::Source>,
-    idle: Duration,
-}
-
-#[cfg(feature = "redis")]
-#[async_trait::async_trait]
-impl idemq::source::Source for Idle {
-    async fn next(&mut self) -> Result<Option<idemq::source::Delivery>, idemq::SourceError> {
-        match tokio::time::timeout(self.idle, self.inner.next()).await {
-            Ok(next) => next,
-            Err(_) => Ok(None),
-        }
-    }
-
-    async fn close(&mut self) {
-        self.inner.close().await
     }
 }
 

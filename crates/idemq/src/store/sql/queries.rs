@@ -17,6 +17,18 @@ pub enum Dialect {
     Sqlite,
 }
 
+impl Dialect {
+    /// `sql`, written with `?` placeholders, in this dialect's placeholder
+    /// syntax (PostgreSQL's `$1, $2, …`). The statements of idemq contain no
+    /// `?` inside literals.
+    pub fn placeholders(self, sql: String) -> String {
+        match self {
+            Dialect::Postgres => number_placeholders(&sql),
+            Dialect::MySql | Dialect::Sqlite => sql,
+        }
+    }
+}
+
 /// Table names, derived from a validated prefix.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tables {
@@ -166,10 +178,7 @@ impl BatchQueries {
     }
 
     fn finish(&self, sql: String) -> String {
-        match self.dialect {
-            Dialect::Postgres => number_placeholders(&sql),
-            _ => sql,
-        }
+        self.dialect.placeholders(sql)
     }
 
     fn key_list(n: usize) -> String {
@@ -443,14 +452,11 @@ impl Queries {
             prune_effects: prune(&tables.effects, "created_at"),
             effects_schema: schema_v3(dialect, tables),
         };
-        match dialect {
-            Dialect::Postgres => q.numbered(),
-            _ => q,
-        }
+        q.in_dialect(dialect)
     }
 
-    /// Rewrites `?` placeholders to PostgreSQL's `$n`.
-    fn numbered(mut self) -> Self {
+    /// Rewrites the `?` placeholders into `dialect`'s.
+    fn in_dialect(mut self, dialect: Dialect) -> Self {
         for sql in [
             &mut self.claim,
             &mut self.fetch,
@@ -476,7 +482,7 @@ impl Queries {
             &mut self.effect_steps,
             &mut self.prune_effects,
         ] {
-            *sql = number_placeholders(sql);
+            *sql = dialect.placeholders(std::mem::take(sql));
         }
         self
     }

@@ -37,6 +37,7 @@ use futures_util::future::join_all;
 use redis::{RedisError, Script};
 
 use super::{done_value, map_err, millis, Conn, RedisConnection, RedisLease, RedisStore, Scripts};
+use crate::error::StoreErrorKind;
 use crate::store::{now_ms, Claim, LeaseBatchStore, LeaseCompletion, StoreError};
 
 /// KEYS: rec, fence per key. ARGV: token prefix, lease ms, now ms, fence TTL ms.
@@ -464,11 +465,14 @@ impl LeaseBatchStore for RedisStore {
                 .map_err(map_err)?
         };
         if replies.len() != claims.len() {
-            return Err(StoreError::Other(format!(
-                "batch claim answered {} of {} keys",
-                replies.len(),
-                claims.len()
-            )));
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!(
+                    "batch claim answered {} of {} keys",
+                    replies.len(),
+                    claims.len()
+                ),
+            ));
         }
         let mut answers = Vec::with_capacity(claims.len());
         let mut held = Vec::new();
@@ -477,7 +481,7 @@ impl LeaseBatchStore for RedisStore {
                 Some("done") => {
                     let json = reply.get(1).map(String::as_str).unwrap_or_default();
                     Claim::Done(super::parse_done(consumer, key, json).ok_or_else(|| {
-                        StoreError::Other(format!("unreadable done record: {json}"))
+                        StoreError::corrupt(format!("unreadable done record: {json}"))
                     })?)
                 }
                 Some("busy") => Claim::InFlight,
@@ -502,9 +506,10 @@ impl LeaseBatchStore for RedisStore {
                     })
                 }
                 _ => {
-                    return Err(StoreError::Other(format!(
-                        "unexpected batch claim reply {reply:?}"
-                    )))
+                    return Err(StoreError::new(
+                        StoreErrorKind::Other,
+                        format!("unexpected batch claim reply {reply:?}"),
+                    ))
                 }
             };
             answers.push(answer);

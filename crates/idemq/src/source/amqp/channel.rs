@@ -1,0 +1,52 @@
+//! Channel helpers: AMQP short strings, `lapin` errors, and publishes confirmed by the broker.
+
+use lapin::options::BasicPublishOptions;
+use lapin::types::ShortString;
+use lapin::{BasicProperties, Channel};
+
+use crate::error::SourceError;
+
+pub(super) fn short(s: &str) -> Result<ShortString, SourceError> {
+    ShortString::try_new(s)
+        .map_err(|e| SourceError::other(format!("{s:?} is too long for an AMQP short string: {e}")))
+}
+
+pub(super) fn broker(what: &str) -> impl Fn(lapin::Error) -> SourceError + '_ {
+    move |e| SourceError::broker(format!("{what}: {e}")).with_source(e)
+}
+
+/// Publishes to the default exchange with routing key `queue` (mandatory,
+/// persistent) and waits for the broker's confirm.
+pub(super) async fn publish_confirmed(
+    channel: &Channel,
+    queue: &str,
+    body: &[u8],
+    properties: BasicProperties,
+) -> Result<(), SourceError> {
+    let confirm = channel
+        .basic_publish(
+            "".into(),
+            short(queue)?,
+            BasicPublishOptions {
+                mandatory: true,
+                immediate: false,
+            },
+            body,
+            properties.with_delivery_mode(2),
+        )
+        .await
+        .map_err(broker("publishing"))?
+        .await
+        .map_err(broker("waiting for the publisher confirm"))?;
+    if !confirm.is_ack() {
+        return Err(SourceError::broker(format!(
+            "the broker refused the message for queue {queue:?}"
+        )));
+    }
+    if confirm.take_message().is_some() {
+        return Err(SourceError::broker(format!(
+            "the message was returned unroutable: does queue {queue:?} exist?"
+        )));
+    }
+    Ok(())
+}

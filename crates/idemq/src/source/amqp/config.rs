@@ -1,0 +1,248 @@
+//! [`AmqpConfig`]: parsing the URL into the AMQP URI and the queue settings, and connecting.
+
+use std::fmt;
+
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
+use lapin::{Connection, ConnectionProperties};
+
+use crate::error::SourceError;
+use crate::source::url::BrokerUrl;
+
+/// Longest queue name accepted, so that the derived names stay under AMQP's 255 bytes.
+const MAX_QUEUE_NAME: usize = 200;
+
+/// The type of the work queue.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum QueueType {
+    /// A classic queue (the default).
+    #[default]
+    Classic,
+    /// A quorum queue (`x-queue-type = quorum`): replicated, and it counts
+    /// returned deliveries in `x-delivery-count`.
+    Quorum,
+}
+
+impl QueueType {
+    pub(super) fn arguments(self) -> FieldTable {
+        let mut args = FieldTable::default();
+        if self == QueueType::Quorum {
+            args.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString("quorum".into()),
+            );
+        }
+        args
+    }
+}
+
+/// Where to connect and which queue to consume.
+#[derive(Clone)]
+pub struct AmqpConfig {
+    pub(super) uri: AMQPUri,
+    pub(super) queue: String,
+    pub(super) prefetch: u16,
+    pub(super) queue_type: QueueType,
+}
+
+impl fmt::Debug for AmqpConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let a = &self.uri.authority;
+        f.debug_struct("AmqpConfig")
+            .field("user", &a.userinfo.username)
+            .field("host", &a.host)
+            .field("port", &a.port)
+            .field("vhost", &self.uri.vhost)
+            .field("queue", &self.queue)
+            .field("prefetch", &self.prefetch)
+            .field("queue_type", &self.queue_type)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AmqpConfig {
+    /// Parses `amqp://user:pass@host:port/vhost?queue=NAME&prefetch=N&queue_type=classic|quorum`.
+    ///
+    /// User and password default to `guest`, the port to 5672, the vhost to
+    /// `/`, `prefetch` to 32 and `queue_type` to `classic`; `queue` is
+    /// required. Unknown parameters are an error.
+    pub fn from_url(url: &str) -> Result<Self, SourceError> {
+        if url.starts_with("amqps://") {
+            return Err(BrokerUrl::parse("AMQP", "amqps", url)?
+                .error("amqps (TLS) is not supported by this build"));
+        }
+        let u = BrokerUrl::parse("AMQP", "amqp", url)?;
+        let mut user = AMQPUserInfo::default();
+        if let Some((name, pass)) = &u.userinfo {
+            user.username.clone_from(name);
+            user.password.clone_from(pass);
+        }
+        let (host, port) = u.host_port(5672)?;
+        let mut vhost = u.decoded_path()?;
+        if vhost.is_empty() {
+            vhost = "/".into();
+        }
+
+        let mut queue = None;
+        let mut prefetch = 32u16;
+        let mut queue_type = QueueType::Classic;
+        let mut conn = AMQPQueryString::default();
+        for p in u.params() {
+            match p.name.as_str() {
+                "queue" => queue = Some(p.value),
+                "prefetch" => {
+                    prefetch = p.count()?;
+                    if prefetch == 0 {
+                        return Err(p.error("prefetch must be at least 1"));
+                    }
+                }
+                "queue_type" => {
+                    queue_type = match p.choice(&["classic", "quorum"])? {
+                        "quorum" => QueueType::Quorum,
+                        _ => QueueType::Classic,
+                    }
+                }
+                "heartbeat" => conn.heartbeat = Some(p.count()?),
+                "connection_timeout" => conn.connection_timeout = Some(p.count()?),
+                "frame_max" => conn.frame_max = Some(p.count()?),
+                "channel_max" => conn.channel_max = Some(p.count()?),
+                _ => return Err(p.unknown()),
+            }
+        }
+        let queue = queue.ok_or_else(|| u.missing("queue"))?;
+        let uri = AMQPUri {
+            scheme: AMQPScheme::AMQP,
+            authority: AMQPAuthority {
+                userinfo: user,
+                host,
+                port,
+            },
+            vhost,
+            query: conn,
+        };
+        AmqpConfig {
+            uri,
+            queue: String::new(),
+            prefetch,
+            queue_type,
+        }
+        .queue(queue)
+    }
+
+    /// Sets the work queue (1 to 200 bytes, not starting with `amq.`).
+    pub fn queue(mut self, queue: impl Into<String>) -> Result<Self, SourceError> {
+        let queue = queue.into();
+        if queue.is_empty() || queue.len() > MAX_QUEUE_NAME || queue.starts_with("amq.") {
+            return Err(SourceError::config(format!(
+                "invalid queue name {queue:?}: 1 to {MAX_QUEUE_NAME} bytes, not starting with amq."
+            )));
+        }
+        self.queue = queue;
+        Ok(self)
+    }
+
+    /// Sets the prefetch count (unacked deliveries per consumer; at least 1).
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = prefetch.max(1);
+        self
+    }
+
+    /// Sets the type of the work queue.
+    pub fn queue_type(mut self, queue_type: QueueType) -> Self {
+        self.queue_type = queue_type;
+        self
+    }
+
+    /// The work queue.
+    pub fn queue_name(&self) -> &str {
+        &self.queue
+    }
+
+    /// The prefetch count.
+    pub fn prefetch_count(&self) -> u16 {
+        self.prefetch
+    }
+
+    /// The type of the work queue.
+    pub fn work_queue_type(&self) -> QueueType {
+        self.queue_type
+    }
+
+    /// The virtual host.
+    pub fn vhost(&self) -> &str {
+        &self.uri.vhost
+    }
+
+    pub(super) async fn connect(&self, name: &str) -> Result<Connection, SourceError> {
+        let props = ConnectionProperties::default().with_connection_name(name.into());
+        Connection::connect_uri(self.uri.clone(), props)
+            .await
+            .map_err(|e| {
+                SourceError::broker(format!(
+                    "connecting to {}:{} vhost {:?}: {e}",
+                    self.uri.authority.host, self.uri.authority.port, self.uri.vhost
+                ))
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::super::RETRY_DELAYS;
+    use super::*;
+    use crate::error::SourceErrorKind;
+
+    #[test]
+    fn parses_urls() {
+        let c = AmqpConfig::from_url(
+            "amqp://guest:g%40st@127.0.0.1:5673/%2f?queue=orders&prefetch=4&queue_type=quorum&heartbeat=10",
+        )
+        .unwrap();
+        assert_eq!(c.uri.authority.userinfo.password, "g@st");
+        assert_eq!(c.uri.authority.host, "127.0.0.1");
+        assert_eq!(c.uri.authority.port, 5673);
+        assert_eq!(c.vhost(), "/");
+        assert_eq!(c.queue_name(), "orders");
+        assert_eq!(c.prefetch_count(), 4);
+        assert_eq!(c.work_queue_type(), QueueType::Quorum);
+        assert_eq!(c.uri.query.heartbeat, Some(10));
+        assert!(!format!("{c:?}").contains("g@st"));
+
+        let c = AmqpConfig::from_url("amqp://rabbit/prod?queue=q").unwrap();
+        assert_eq!(
+            (c.uri.authority.port, c.vhost(), c.prefetch_count()),
+            (5672, "prod", 32)
+        );
+        assert_eq!(c.dead_letter_queue(), "q.dead-letter");
+        assert_eq!(c.retry_queue(Duration::from_millis(120)), "q.retry.250ms");
+        assert_eq!(
+            c.retry_queue(Duration::from_secs(86_400)),
+            "q.retry.3600000ms"
+        );
+        assert_eq!(c.queues().len(), RETRY_DELAYS.len() + 2);
+        assert_eq!(
+            AmqpConfig::from_url("amqp://h:1/?queue=q").unwrap().vhost(),
+            "/"
+        );
+
+        for bad in [
+            "amqp://h/%2f",
+            "http://h/?queue=q",
+            "amqps://h/?queue=q",
+            "amqp://h:x/?queue=q",
+            "amqp://h/?queue=q&prefetch=0",
+            "amqp://h/?queue=q&queue_type=stream",
+            "amqp://h/?queue=q&bogus=1",
+            "amqp://h/%zz?queue=q",
+            "amqp:///?queue=q",
+            "amqp://h/?queue=amq.x",
+        ] {
+            assert!(
+                matches!(AmqpConfig::from_url(bad), Err(ref e) if e.kind() == SourceErrorKind::Config),
+                "{bad}"
+            );
+        }
+    }
+}

@@ -1,0 +1,242 @@
+//! The configuration: [`KafkaConfig`] and its URL, the header names, and the
+//! default business key.
+
+use std::time::Duration;
+
+use rdkafka::config::ClientConfig;
+
+use crate::error::SourceError;
+use crate::key::KeySpec;
+use crate::source::url::BrokerUrl;
+
+/// The header that carries [`Message::id`] on Kafka.
+///
+/// [`Message::id`]: crate::message::Message::id
+pub const MESSAGE_ID_HEADER: &str = "message_id";
+
+/// The header that carries the dead-letter reason on the dead-letter topic.
+pub const DEAD_LETTER_REASON_HEADER: &str = "idemq_dead_letter_reason";
+
+/// The default business key for Kafka records: the header `event_id`, else
+/// the record key.
+pub fn default_key_spec() -> KeySpec {
+    KeySpec::header("event_id").or(KeySpec::transport_key())
+}
+
+/// How to reach the broker, what to consume, and the consumer-group tuning.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KafkaConfig {
+    /// Bootstrap servers, `host:port[,host:port…]`.
+    pub brokers: String,
+    /// The topic to consume.
+    pub topic: String,
+    /// The consumer group id.
+    pub group: String,
+    /// Where a group without a committed offset starts: `earliest` (default) or `latest`.
+    pub auto_offset_reset: String,
+    /// The group session timeout (default 10 s).
+    pub session_timeout: Duration,
+    /// Where dead-lettered records are also published, if anywhere.
+    pub dead_letter_topic: Option<String>,
+    /// How long a revocation waits for in-flight deliveries of the revoked
+    /// partitions to settle before it commits and lets them go (default 5 s).
+    pub revoke_grace: Duration,
+    /// Records buffered per partition before the partition is paused (default 1000).
+    pub max_buffered: usize,
+    /// Create the topic with this many partitions if it does not exist, for
+    /// brokers that do not auto-create topics (`create_partitions=N` in the URL;
+    /// see [`create_topic`]). `None` (default): the topic must exist.
+    ///
+    /// [`create_topic`]: super::create_topic
+    pub create_partitions: Option<i32>,
+    /// Extra librdkafka settings, applied last (they override the above).
+    pub settings: Vec<(String, String)>,
+}
+
+impl KafkaConfig {
+    /// A configuration with the defaults.
+    pub fn new(
+        brokers: impl Into<String>,
+        topic: impl Into<String>,
+        group: impl Into<String>,
+    ) -> Self {
+        Self {
+            brokers: brokers.into(),
+            topic: topic.into(),
+            group: group.into(),
+            auto_offset_reset: "earliest".into(),
+            session_timeout: Duration::from_secs(10),
+            dead_letter_topic: None,
+            revoke_grace: Duration::from_secs(5),
+            max_buffered: 1000,
+            create_partitions: None,
+            settings: Vec::new(),
+        }
+    }
+
+    /// Parses `kafka://host:port[,host:port]/topic?group=NAME[&…]`.
+    ///
+    /// Query parameters: `group` (required), `offset_reset` (`earliest` or
+    /// `latest`), `session_timeout_ms`, `revoke_grace_ms` (whole
+    /// milliseconds, as the names say), `max_buffered`, `create_partitions`,
+    /// `dead_letter_topic`; any parameter whose name contains a dot is passed
+    /// to librdkafka as is (e.g. `heartbeat.interval.ms=500`). Values may be
+    /// percent-encoded; the common URL rules are in `source::url`.
+    pub fn from_url(url: &str) -> Result<Self, SourceError> {
+        let u = BrokerUrl::parse("Kafka", "kafka", url)?;
+        let topic = u.require_path("topic")?;
+        let brokers = u.host_list()?;
+        validate_topic(topic).map_err(|why| u.error(why))?;
+        let mut group = None;
+        let mut config = KafkaConfig::new(brokers, topic, "");
+        for p in u.params() {
+            match p.name.as_str() {
+                "group" => group = p.non_empty(),
+                "offset_reset" | "auto.offset.reset" => {
+                    config.auto_offset_reset = p.choice(&["earliest", "latest"])?.to_owned();
+                }
+                "session_timeout_ms" => config.session_timeout = Duration::from_millis(p.count()?),
+                "revoke_grace_ms" => config.revoke_grace = Duration::from_millis(p.count()?),
+                "create_partitions" => {
+                    let n =
+                        p.count::<i32>().ok().filter(|n| *n > 0).ok_or_else(|| {
+                            p.error("create_partitions must be between 1 and 2^31-1")
+                        })?;
+                    config.create_partitions = Some(n);
+                }
+                "max_buffered" => config.max_buffered = p.count()?,
+                "dead_letter_topic" => {
+                    validate_topic(&p.value).map_err(|why| p.error(why))?;
+                    config.dead_letter_topic = Some(p.value);
+                }
+                name if name.contains('.') => {
+                    if p.value.is_empty() {
+                        return Err(p.error(format!("parameter {name:?} has no value")));
+                    }
+                    config.settings.push((p.name, p.value))
+                }
+                _ => return Err(p.unknown()),
+            }
+        }
+        config.group = group.ok_or_else(|| u.missing("group"))?;
+        Ok(config)
+    }
+
+    /// Adds an extra librdkafka setting (applied last).
+    pub fn set(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.settings.push((name.into(), value.into()));
+        self
+    }
+
+    /// Sets the dead-letter topic.
+    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letter_topic = Some(topic.into());
+        self
+    }
+
+    /// Sets the group session timeout.
+    pub fn session_timeout(mut self, timeout: Duration) -> Self {
+        self.session_timeout = timeout;
+        self
+    }
+
+    /// Sets how long a revocation waits for in-flight deliveries.
+    pub fn revoke_grace(mut self, grace: Duration) -> Self {
+        self.revoke_grace = grace;
+        self
+    }
+
+    pub(super) fn client_config(&self) -> ClientConfig {
+        let mut cc = ClientConfig::new();
+        cc.set("bootstrap.servers", &self.brokers)
+            .set("group.id", &self.group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", &self.auto_offset_reset)
+            .set(
+                "session.timeout.ms",
+                self.session_timeout.as_millis().to_string(),
+            )
+            .set("enable.partition.eof", "false");
+        for (name, value) in &self.settings {
+            cc.set(name, value);
+        }
+        cc
+    }
+}
+
+pub(super) fn validate_topic(topic: &str) -> Result<(), String> {
+    let ok = !topic.is_empty()
+        && topic.len() <= 249
+        && topic
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "topic {topic:?} must be 1 to 249 characters of [a-zA-Z0-9._-]"
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::SourceErrorKind;
+    use crate::message::Message;
+
+    #[test]
+    fn parses_urls() {
+        let c = KafkaConfig::from_url(
+            "kafka://127.0.0.1:9092/payments?group=billing&session_timeout_ms=6000&heartbeat.interval.ms=500&dead_letter_topic=payments.dlq",
+        )
+        .unwrap();
+        assert_eq!(c.brokers, "127.0.0.1:9092");
+        assert_eq!(c.topic, "payments");
+        assert_eq!(c.group, "billing");
+        assert_eq!(c.session_timeout, Duration::from_secs(6));
+        assert_eq!(c.dead_letter_topic.as_deref(), Some("payments.dlq"));
+        assert_eq!(c.auto_offset_reset, "earliest");
+        assert_eq!(
+            c.settings,
+            vec![("heartbeat.interval.ms".to_owned(), "500".to_owned())]
+        );
+        let c = KafkaConfig::from_url("kafka://a:1,b:2/t?group=g&offset_reset=latest").unwrap();
+        assert_eq!(c.brokers, "a:1,b:2");
+        assert_eq!(c.auto_offset_reset, "latest");
+    }
+
+    #[test]
+    fn rejects_bad_urls() {
+        for url in [
+            "kafka://127.0.0.1:9092/payments",
+            "kafka://127.0.0.1:9092/payments?group=",
+            "kafka://127.0.0.1:9092?group=g",
+            "kafka:///payments?group=g",
+            "http://127.0.0.1:9092/payments?group=g",
+            "kafka://127.0.0.1:9092/pay ments?group=g",
+            "kafka://127.0.0.1:9092/payments?group=g&bogus=1",
+            "kafka://127.0.0.1:9092/payments?group=g&session_timeout_ms=soon",
+            "kafka://127.0.0.1:9092/payments?group=g&offset_reset=middle",
+        ] {
+            assert!(
+                matches!(KafkaConfig::from_url(url), Err(ref e) if e.kind() == SourceErrorKind::Config),
+                "{url} should be rejected"
+            );
+        }
+    }
+
+    #[test]
+    fn default_key_prefers_the_event_id_header() {
+        let spec = default_key_spec();
+        let m = Message::new("{}")
+            .with_key("k")
+            .with_header("event_id", "e");
+        assert_eq!(spec.extract(&m).unwrap(), "e");
+        assert_eq!(
+            spec.extract(&Message::new("{}").with_key("k")).unwrap(),
+            "k"
+        );
+    }
+}

@@ -1,0 +1,215 @@
+//! [`MqttConfig`]: the settings, parsed from a URL, and the `rumqttc` client options.
+
+use std::time::Duration;
+
+use rumqttc::v5::MqttOptions;
+
+use super::link::CONNECT_TIMEOUT;
+#[cfg(doc)]
+use super::MqttPublisher;
+use crate::error::SourceError;
+use crate::source::url::{Bare, BrokerUrl};
+
+/// How to reach the broker and what to subscribe to. Build it with
+/// [`MqttConfig::new`] and the public fields, or parse a URL with
+/// [`MqttConfig::from_url`].
+#[derive(Clone, PartialEq, Eq)]
+pub struct MqttConfig {
+    /// Broker host.
+    pub host: String,
+    /// Broker port (default 1883).
+    pub port: u16,
+    /// The topic filter to subscribe to (wildcards and `$share/group/…`
+    /// allowed); for [`MqttPublisher`], the topic to publish to.
+    pub topic: String,
+    /// The client id, which names the persistent session: keep it stable
+    /// across restarts, and unique among the consumers running at once.
+    pub client_id: String,
+    /// Keep-alive interval (default 30 s, at least 5 s).
+    pub keep_alive: Duration,
+    /// How long the broker keeps the session after a disconnect (default 1 day).
+    pub session_expiry: Duration,
+    /// Where dead-lettered messages are also published, if anywhere.
+    pub dead_letter_topic: Option<String>,
+    /// Username and password, if the broker requires them.
+    pub credentials: Option<(String, String)>,
+}
+
+impl std::fmt::Debug for MqttConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MqttConfig")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("topic", &self.topic)
+            .field("client_id", &self.client_id)
+            .field("keep_alive", &self.keep_alive)
+            .field("session_expiry", &self.session_expiry)
+            .field("dead_letter_topic", &self.dead_letter_topic)
+            .field("credentials", &self.credentials.as_ref().map(|(u, _)| u))
+            .finish()
+    }
+}
+
+impl MqttConfig {
+    /// Defaults for `topic` on `host:port` as `client_id`.
+    pub fn new(
+        host: impl Into<String>,
+        port: u16,
+        topic: impl Into<String>,
+        client_id: impl Into<String>,
+    ) -> Self {
+        Self {
+            host: host.into(),
+            port,
+            topic: topic.into(),
+            client_id: client_id.into(),
+            keep_alive: Duration::from_secs(30),
+            session_expiry: Duration::from_secs(86_400),
+            dead_letter_topic: None,
+            credentials: None,
+        }
+    }
+
+    /// Parses
+    /// `mqtt://[user:password@]host[:port]/topic/filter?client_id=ID[&qos=1][&keep_alive=30s][&session_expiry=1h][&dead_letter_topic=T]`.
+    ///
+    /// Everything between the first `/` and the `?` is the topic filter, `#`
+    /// and `+` included (they may also be written `%23` and `%2B`).
+    /// `client_id` is required; only `qos=1` is supported. Durations take a
+    /// unit (`ms`, `s`, `m`, `h`; a bare number is seconds).
+    pub fn from_url(url: &str) -> Result<Self, SourceError> {
+        let u = BrokerUrl::parse("MQTT", "mqtt", url)?;
+        u.require_path("topic")?;
+        let (host, port) = u.host_port(1883)?;
+        let mut config = Self::new(host, port, u.decoded_path()?, "");
+        config.credentials.clone_from(&u.userinfo);
+        for p in u.params() {
+            match p.name.as_str() {
+                "client_id" => config.client_id = p.value,
+                "qos" => {
+                    p.choice(&["1"])?;
+                }
+                "keep_alive" => config.keep_alive = p.duration(Bare::Seconds)?,
+                "session_expiry" => config.session_expiry = p.duration(Bare::Seconds)?,
+                "dead_letter_topic" => config.dead_letter_topic = Some(p.value),
+                _ => return Err(p.unknown()),
+            }
+        }
+        if config.client_id.is_empty() {
+            return Err(u.missing("client_id"));
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Sets the dead-letter topic.
+    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letter_topic = Some(topic.into());
+        self
+    }
+
+    /// Sets the session expiry interval.
+    pub fn session_expiry(mut self, expiry: Duration) -> Self {
+        self.session_expiry = expiry;
+        self
+    }
+
+    /// Checks names and ranges.
+    pub fn validate(&self) -> Result<(), SourceError> {
+        if self.topic.is_empty() {
+            return Err(SourceError::config("the topic is empty"));
+        }
+        if self.client_id.is_empty() {
+            return Err(SourceError::config("the client id is empty"));
+        }
+        if let Some(dlq) = &self.dead_letter_topic {
+            validate_publish_topic(dlq)?;
+        }
+        if self.keep_alive < Duration::from_secs(5) {
+            return Err(SourceError::config("keep_alive must be at least 5 s"));
+        }
+        if self.session_expiry.as_secs() == 0 || self.session_expiry.as_secs() > u64::from(u32::MAX)
+        {
+            return Err(SourceError::config(
+                "session_expiry must be from 1 s to 2^32-1 s (a persistent session)",
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) fn options(&self, client_id: &str, persistent: bool) -> MqttOptions {
+        let mut options = MqttOptions::new(client_id, self.host.clone(), self.port);
+        options.set_keep_alive(self.keep_alive);
+        options.set_manual_acks(true);
+        options.set_connection_timeout(CONNECT_TIMEOUT.as_secs());
+        if persistent {
+            options.set_clean_start(false);
+            options.set_session_expiry_interval(Some(
+                u32::try_from(self.session_expiry.as_secs()).unwrap_or(u32::MAX),
+            ));
+        } else {
+            options.set_clean_start(true);
+        }
+        if let Some((user, password)) = &self.credentials {
+            options.set_credentials(user.clone(), password.clone());
+        }
+        options
+    }
+}
+
+pub(super) fn validate_publish_topic(topic: &str) -> Result<(), SourceError> {
+    if topic.is_empty() || topic.contains(['#', '+']) || topic.starts_with('$') {
+        return Err(SourceError::config(format!(
+            "{topic:?} is not a topic to publish to (empty, a wildcard or a $ topic)"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::SourceErrorKind;
+
+    #[test]
+    fn parses_urls() {
+        let c = MqttConfig::from_url(
+            "mqtt://u:p%40ss@127.0.0.1:1884/orders/#?client_id=c1&qos=1&keep_alive=10s&session_expiry=1h&dead_letter_topic=orders-dead",
+        )
+        .unwrap();
+        assert_eq!(c.host, "127.0.0.1");
+        assert_eq!(c.port, 1884);
+        assert_eq!(c.topic, "orders/#");
+        assert_eq!(c.client_id, "c1");
+        assert_eq!(c.keep_alive, Duration::from_secs(10));
+        assert_eq!(c.session_expiry, Duration::from_secs(3600));
+        assert_eq!(c.dead_letter_topic.as_deref(), Some("orders-dead"));
+        assert_eq!(c.credentials, Some(("u".into(), "p@ss".into())));
+
+        let c = MqttConfig::from_url("mqtt://broker/%24share/g/a%2Bb?client_id=x").unwrap();
+        assert_eq!(c.port, 1883);
+        assert_eq!(c.topic, "$share/g/a+b");
+    }
+
+    #[test]
+    fn rejects_bad_urls() {
+        for url in [
+            "tcp://h:1883/t?client_id=c",
+            "mqtt://h:1883/t",
+            "mqtt://h:1883?client_id=c",
+            "mqtt://h:1883/?client_id=c",
+            "mqtt://:1883/t?client_id=c",
+            "mqtt://h:x/t?client_id=c",
+            "mqtt://h/t?client_id=c&qos=0",
+            "mqtt://h/t?client_id=c&keep_alive=1s",
+            "mqtt://h/t?client_id=c&session_expiry=0",
+            "mqtt://h/t?client_id=c&dead_letter_topic=a/%23",
+            "mqtt://h/t?client_id=c&bogus=1",
+        ] {
+            assert!(
+                matches!(MqttConfig::from_url(url), Err(ref e) if e.kind() == SourceErrorKind::Config),
+                "{url} should be rejected"
+            );
+        }
+    }
+}

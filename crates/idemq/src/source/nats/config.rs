@@ -1,0 +1,480 @@
+//! The configuration: [`NatsConfig`], its URL form, and NATS names and subjects.
+
+use std::time::Duration;
+
+use async_nats::jetstream;
+
+use crate::error::SourceError;
+use crate::source::url::{redact, Bare, BrokerUrl};
+
+const MAX_BATCH: usize = 10_000;
+
+/// Where and how to consume a JetStream stream. Build it with
+/// [`NatsConfig::new`] and the builder methods, or parse a URL with
+/// [`NatsConfig::from_url`].
+#[derive(Clone)]
+pub struct NatsConfig {
+    /// The server URL, e.g. `nats://127.0.0.1:4222` (credentials may be in it).
+    pub server: String,
+    /// The stream name.
+    pub stream: String,
+    /// The durable consumer name.
+    pub consumer: String,
+    /// The subject: the stream's subject when it is created, the consumer's
+    /// filter subject, and the subject [`NatsPublisher`](super::NatsPublisher)
+    /// publishes to (which must then be free of wildcards).
+    pub subject: Option<String>,
+    /// How long the server waits for an ack before redelivering; while a
+    /// delivery is unsettled it is extended every third of this (≥ 1 s).
+    pub ack_wait: Duration,
+    /// The server's delivery limit per message (`None`: unlimited).
+    pub max_deliver: Option<i64>,
+    /// Messages per pull request (1 ..= 10000).
+    pub batch: usize,
+    /// How long a pull request waits for messages (≥ 100 ms).
+    pub wait: Duration,
+    /// The subject that dead-lettered messages are copied to.
+    pub dead_letter_subject: Option<String>,
+    /// The duplicate window of a stream this creates (at least 100 ms;
+    /// `None`: the server's default of 2 minutes).
+    pub duplicate_window: Option<Duration>,
+    /// Create the stream (and the consumer, and a dead-letter stream) if missing.
+    pub create: bool,
+}
+
+impl std::fmt::Debug for NatsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsConfig")
+            .field("server", &redact(&self.server))
+            .field("stream", &self.stream)
+            .field("consumer", &self.consumer)
+            .field("subject", &self.subject)
+            .field("ack_wait", &self.ack_wait)
+            .field("max_deliver", &self.max_deliver)
+            .field("batch", &self.batch)
+            .field("wait", &self.wait)
+            .field("dead_letter_subject", &self.dead_letter_subject)
+            .field("duplicate_window", &self.duplicate_window)
+            .field("create", &self.create)
+            .finish()
+    }
+}
+
+impl NatsConfig {
+    /// Defaults for `stream` and `consumer` on `nats://127.0.0.1:4222`: no
+    /// subject, 30 s `ack_wait`, unlimited deliveries, 10 messages per pull
+    /// waiting up to 5 s, no dead-letter subject, nothing created.
+    pub fn new(stream: impl Into<String>, consumer: impl Into<String>) -> Self {
+        Self {
+            server: "nats://127.0.0.1:4222".into(),
+            stream: stream.into(),
+            consumer: consumer.into(),
+            subject: None,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: None,
+            batch: 10,
+            wait: Duration::from_secs(5),
+            dead_letter_subject: None,
+            duplicate_window: None,
+            create: false,
+        }
+    }
+
+    /// Parses
+    /// `nats://[user:password@]host:port/STREAM/CONSUMER?subject=…&ack_wait=30s&max_deliver=10&batch=10&wait=5s&dlq_subject=…&duplicate_window=2m&create=true`.
+    ///
+    /// Durations are a number with `ms`, `s`, `m` or `h` (a bare number is
+    /// seconds). Values may be percent-encoded (`orders.%3E` for `orders.>`;
+    /// a plain `>` works too). Unknown parameters and out-of-range values are
+    /// a [`SourceErrorKind::Config`](crate::SourceErrorKind::Config).
+    pub fn from_url(url: &str) -> Result<Self, SourceError> {
+        let u = BrokerUrl::parse("NATS", "nats", url)?;
+        u.host_list()?;
+        let path = u.require_path("STREAM/CONSUMER")?;
+        let [stream, consumer]: [String; 2] = u
+            .segments()?
+            .try_into()
+            .map_err(|_| u.error(format!("the path {path:?} must be STREAM/CONSUMER")))?;
+        let mut config = NatsConfig::new(stream, consumer);
+        config.server = format!("nats://{}", u.authority);
+        for p in u.params() {
+            match p.name.as_str() {
+                "subject" => config.subject = p.non_empty(),
+                "ack_wait" => config.ack_wait = p.duration(Bare::Seconds)?,
+                "max_deliver" => {
+                    config.max_deliver = match p.value.as_str() {
+                        "-1" => None,
+                        _ => match p.count::<i64>()? {
+                            0 => {
+                                return Err(
+                                    p.error("max_deliver must be at least 1 (or -1 for unlimited)")
+                                )
+                            }
+                            n => Some(n),
+                        },
+                    }
+                }
+                "batch" => config.batch = p.count()?,
+                "wait" => config.wait = p.duration(Bare::Seconds)?,
+                "dlq_subject" => config.dead_letter_subject = p.non_empty(),
+                "duplicate_window" => config.duplicate_window = Some(p.duration(Bare::Seconds)?),
+                "create" => config.create = p.flag()?,
+                _ => return Err(p.unknown()),
+            }
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Sets the server URL.
+    pub fn server(mut self, server: impl Into<String>) -> Self {
+        self.server = server.into();
+        self
+    }
+
+    /// Sets the subject.
+    pub fn subject(mut self, subject: impl Into<String>) -> Self {
+        self.subject = Some(subject.into());
+        self
+    }
+
+    /// Sets `ack_wait`.
+    pub fn ack_wait(mut self, ack_wait: Duration) -> Self {
+        self.ack_wait = ack_wait;
+        self
+    }
+
+    /// Sets the server's delivery limit per message.
+    pub fn max_deliver(mut self, max_deliver: i64) -> Self {
+        self.max_deliver = Some(max_deliver);
+        self
+    }
+
+    /// Sets the messages per pull request.
+    pub fn batch(mut self, batch: usize) -> Self {
+        self.batch = batch;
+        self
+    }
+
+    /// Sets how long a pull request waits for messages.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// Sets the dead-letter subject.
+    pub fn dead_letter_subject(mut self, subject: impl Into<String>) -> Self {
+        self.dead_letter_subject = Some(subject.into());
+        self
+    }
+
+    /// Sets the duplicate window of a stream this creates.
+    pub fn duplicate_window(mut self, window: Duration) -> Self {
+        self.duplicate_window = Some(window);
+        self
+    }
+
+    /// Whether to create a missing stream, consumer and dead-letter stream.
+    pub fn create(mut self, create: bool) -> Self {
+        self.create = create;
+        self
+    }
+
+    /// Checks names and ranges.
+    pub fn validate(&self) -> Result<(), SourceError> {
+        if !self.server.starts_with("nats://") && !self.server.starts_with("tls://") {
+            return Err(SourceError::config(format!(
+                "server {:?} must start with nats:// or tls://",
+                redact(&self.server)
+            )));
+        }
+        validate_name("stream", &self.stream)?;
+        validate_name("consumer", &self.consumer)?;
+        if let Some(subject) = &self.subject {
+            validate_subject(subject, true)?;
+        } else if self.create {
+            return Err(SourceError::config(
+                "creating the stream needs a subject (?subject=…)",
+            ));
+        }
+        if let Some(subject) = &self.dead_letter_subject {
+            validate_subject(subject, false)?;
+            if self
+                .subject
+                .as_deref()
+                .is_some_and(|s| subject_matches(s, subject))
+            {
+                return Err(SourceError::config(format!(
+                    "the dead-letter subject {subject:?} is inside the consumed subject"
+                )));
+            }
+        }
+        if self.ack_wait < Duration::from_secs(1) {
+            return Err(SourceError::config(format!(
+                "ack_wait must be at least 1 s, not {:?}",
+                self.ack_wait
+            )));
+        }
+        if let Some(n) = self.max_deliver {
+            if n == 0 || n < -1 {
+                return Err(SourceError::config(
+                    "max_deliver must be at least 1 (or -1 for unlimited)",
+                ));
+            }
+        }
+        if !(1..=MAX_BATCH).contains(&self.batch) {
+            return Err(SourceError::config(format!(
+                "batch must be from 1 to {MAX_BATCH}, not {}",
+                self.batch
+            )));
+        }
+        if self.wait < Duration::from_millis(100) {
+            return Err(SourceError::config(format!(
+                "wait must be at least 100 ms, not {:?}",
+                self.wait
+            )));
+        }
+        if self
+            .duplicate_window
+            .is_some_and(|w| w < Duration::from_millis(100))
+        {
+            return Err(SourceError::config(
+                "duplicate_window must be at least 100 ms (the server's minimum)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Connects to the server and returns a JetStream context.
+    pub async fn jetstream(&self) -> Result<jetstream::Context, SourceError> {
+        self.validate()?;
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(Duration::from_secs(10))
+            .connect(self.server.as_str())
+            .await
+            .map_err(|e| broker_error(&format!("connecting to {}", redact(&self.server)), e))?;
+        Ok(jetstream::new(client))
+    }
+
+    /// Gets the stream, creating it (subjects: the subject) with `create`.
+    pub(super) async fn stream(
+        &self,
+        js: &jetstream::Context,
+    ) -> Result<jetstream::stream::Stream, SourceError> {
+        if self.create {
+            let Some(subject) = &self.subject else {
+                return Err(SourceError::config("creating the stream needs a subject"));
+            };
+            let config = jetstream::stream::Config {
+                name: self.stream.clone(),
+                subjects: vec![subject.clone()],
+                duplicate_window: self.duplicate_window.unwrap_or_default(),
+                ..Default::default()
+            };
+            js.get_or_create_stream(config)
+                .await
+                .map_err(|e| broker_error(&format!("creating the stream {}", self.stream), e))
+        } else {
+            js.get_stream(&self.stream)
+                .await
+                .map_err(|e| broker_error(&format!("getting the stream {}", self.stream), e))
+        }
+    }
+
+    /// With `create` and a dead-letter subject that no stream captures,
+    /// creates the stream `<STREAM>_dlq` for it.
+    pub(super) async fn dead_letter_stream(
+        &self,
+        js: &jetstream::Context,
+    ) -> Result<(), SourceError> {
+        let (true, Some(subject)) = (self.create, &self.dead_letter_subject) else {
+            return Ok(());
+        };
+        if js.stream_by_subject(subject.clone()).await.is_ok() {
+            return Ok(());
+        }
+        let name = format!("{}_dlq", self.stream);
+        tracing::info!(stream = %name, subject = %subject, "creating the NATS dead-letter stream");
+        js.get_or_create_stream(jetstream::stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            ..Default::default()
+        })
+        .await
+        .map(|_| ())
+        .map_err(|e| broker_error(&format!("creating the dead-letter stream {name}"), e))
+    }
+}
+
+pub(super) fn broker_error(what: &str, err: impl Into<crate::error::BoxError>) -> SourceError {
+    let err = err.into();
+    SourceError::broker(format!("NATS {what}: {err}")).with_source(err)
+}
+
+/// Stream and consumer names: 1 to 255 printable characters without
+/// whitespace, `.`, `*`, `>`, `/` or `\`.
+fn validate_name(what: &str, name: &str) -> Result<(), SourceError> {
+    let ok = !name.is_empty()
+        && name.len() <= 255
+        && name
+            .chars()
+            .all(|c| !c.is_whitespace() && !c.is_control() && !".*>/\\".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(SourceError::config(format!(
+            "invalid NATS {what} name {name:?}: no whitespace, '.', '*', '>', '/' or '\\'"
+        )))
+    }
+}
+
+/// A subject: dot-separated non-empty tokens without whitespace; with
+/// `wildcards`, `*` as a whole token and `>` as the whole last token.
+pub(super) fn validate_subject(subject: &str, wildcards: bool) -> Result<(), SourceError> {
+    let tokens: Vec<&str> = subject.split('.').collect();
+    let last = tokens.len() - 1;
+    let ok = tokens.iter().enumerate().all(|(i, t)| {
+        let plain = !t.is_empty()
+            && t.chars()
+                .all(|c| !c.is_whitespace() && !c.is_control() && c != '*' && c != '>');
+        plain || (wildcards && (*t == "*" || (*t == ">" && i == last)))
+    });
+    if ok {
+        Ok(())
+    } else if wildcards {
+        Err(SourceError::config(format!(
+            "invalid NATS subject {subject:?}: dot-separated tokens, '*' a whole token, '>' the last one"
+        )))
+    } else {
+        Err(SourceError::config(format!(
+            "invalid NATS subject {subject:?}: dot-separated tokens without wildcards"
+        )))
+    }
+}
+
+pub(super) fn has_wildcards(subject: &str) -> bool {
+    subject.split('.').any(|t| t == "*" || t == ">")
+}
+
+/// Whether the concrete `subject` matches `filter` (which may have wildcards).
+fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut filter = filter.split('.');
+    let mut subject = subject.split('.');
+    loop {
+        match (filter.next(), subject.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(f), Some(s)) if f == s => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::SourceErrorKind;
+    use crate::source::url::parse_duration;
+
+    #[test]
+    fn parses_urls() {
+        let c = NatsConfig::from_url(
+            "nats://127.0.0.1:4222/ORDERS/billing?subject=orders.>&ack_wait=2s&max_deliver=5&batch=4&wait=500ms&dlq_subject=dead.orders&duplicate_window=1m&create=true",
+        )
+        .unwrap();
+        assert_eq!(c.server, "nats://127.0.0.1:4222");
+        assert_eq!(c.stream, "ORDERS");
+        assert_eq!(c.consumer, "billing");
+        assert_eq!(c.subject.as_deref(), Some("orders.>"));
+        assert_eq!(c.ack_wait, Duration::from_secs(2));
+        assert_eq!(c.max_deliver, Some(5));
+        assert_eq!(c.batch, 4);
+        assert_eq!(c.wait, Duration::from_millis(500));
+        assert_eq!(c.dead_letter_subject.as_deref(), Some("dead.orders"));
+        assert_eq!(c.duplicate_window, Some(Duration::from_secs(60)));
+        assert!(c.create);
+
+        let c = NatsConfig::from_url("nats://u:p@nats.local/S/C/?subject=a.%3E&max_deliver=-1")
+            .unwrap();
+        assert_eq!(c.server, "nats://u:p@nats.local");
+        assert_eq!(c.subject.as_deref(), Some("a.>"));
+        assert_eq!(c.max_deliver, None);
+        assert_eq!(c.ack_wait, Duration::from_secs(30));
+        assert!(!c.create);
+        assert!(!format!("{c:?}").contains("u:p"));
+    }
+
+    #[test]
+    fn rejects_bad_urls() {
+        for url in [
+            "kafka://x/S/C",
+            "nats://127.0.0.1:4222",
+            "nats://127.0.0.1:4222/S",
+            "nats://127.0.0.1:4222/S/C/D",
+            "nats:///S/C",
+            "nats://h/S.x/C",
+            "nats://h/S/C?create=true",
+            "nats://h/S/C?subject=a..b",
+            "nats://h/S/C?subject=a.>.b",
+            "nats://h/S/C?subject=a&ack_wait=500ms",
+            "nats://h/S/C?subject=a&ack_wait=abc",
+            "nats://h/S/C?subject=a&max_deliver=0",
+            "nats://h/S/C?subject=a&batch=0",
+            "nats://h/S/C?subject=a&wait=10ms",
+            "nats://h/S/C?subject=a.>&dlq_subject=a.dead",
+            "nats://h/S/C?subject=a&dlq_subject=dead.*",
+            "nats://h/S/C?subject=a&duplicate_window=50ms",
+            "nats://h/S/C?subject=a&bogus=1",
+            "nats://h/S/C?subject=a&create=maybe",
+        ] {
+            assert!(
+                matches!(NatsConfig::from_url(url), Err(ref e) if e.kind() == SourceErrorKind::Config),
+                "{url} should be rejected"
+            );
+        }
+    }
+
+    #[test]
+    fn durations() {
+        // NATS durations: a bare number is seconds (the common rule).
+        let parse_duration = |name, value| parse_duration(name, value, Bare::Seconds);
+        assert_eq!(
+            parse_duration("x", "250ms").unwrap(),
+            Duration::from_millis(250)
+        );
+        assert_eq!(parse_duration("x", "3").unwrap(), Duration::from_secs(3));
+        assert_eq!(parse_duration("x", "2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(
+            parse_duration("x", "1h").unwrap(),
+            Duration::from_secs(3600)
+        );
+        assert_eq!(
+            parse_duration("x", "1d").unwrap(),
+            Duration::from_secs(86_400)
+        );
+        assert!(parse_duration("x", "1y").is_err());
+        assert!(parse_duration("x", "s").is_err());
+    }
+
+    #[test]
+    fn subjects_match() {
+        assert!(subject_matches("a.>", "a.b.c"));
+        assert!(subject_matches("a.*.c", "a.b.c"));
+        assert!(!subject_matches("a.*", "a.b.c"));
+        assert!(!subject_matches("a.b", "a"));
+        assert!(subject_matches("a.b", "a.b"));
+    }
+}
+
+#[cfg(test)]
+mod broker_error_tests {
+    use super::*;
+
+    #[test]
+    fn a_broker_error_keeps_the_client_error_as_its_source() {
+        let err = broker_error("x", std::io::Error::other("boom"));
+        assert_eq!(err.kind(), crate::SourceErrorKind::Broker);
+        assert!(std::error::Error::source(&err).is_some(), "{err:?}");
+    }
+}

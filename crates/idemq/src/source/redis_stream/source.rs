@@ -1,0 +1,352 @@
+//! The consumer-group source: [`RedisStreamSource`] and its
+//! `XREADGROUP`/`XAUTOCLAIM` receive loop.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::ConnectionManager;
+use redis::{RedisError, Value};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::acker::RedisStreamAcker;
+use super::config::{default_consumer_name, RedisStreamConfig};
+use super::conn::{broker_error, connection, is_transient, millis, COMMAND_TIMEOUT};
+use super::entry::to_message;
+use super::pending::{keep_fresh, Ready, Shared};
+use super::reply::{parse_autoclaim, parse_read, Entry};
+use crate::error::SourceError;
+use crate::message::DeliveryMeta;
+use crate::source::{Delivery, Source};
+
+const SOURCE_NAME: &str = "redis-stream";
+/// Pause after a transient failure before reading again.
+const RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// The reading side: owned by the background read task while it runs.
+struct Reader {
+    conn: ConnectionManager,
+    shared: Arc<Shared>,
+    block: Duration,
+    count: usize,
+    /// While re-reading this consumer's own PEL at startup: the id after which to read.
+    history: Option<String>,
+    claim_cursor: String,
+    next_claim: Instant,
+}
+
+impl Reader {
+    fn claim_every(&self) -> Duration {
+        self.shared.claim_idle / 2
+    }
+
+    /// Reads the next batch (possibly empty). Transient failures are retried.
+    async fn read(mut self) -> (Self, Result<Vec<Ready>, SourceError>) {
+        loop {
+            match self.read_once().await {
+                Ok(batch) => return (self, Ok(batch)),
+                Err(e) if is_transient(&e) => {
+                    tracing::warn!(stream = %self.shared.stream, error = %e, "reading the stream failed; retrying");
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                }
+                Err(e) => {
+                    let e = broker_error(&format!("reading stream {}", self.shared.stream), e);
+                    return (self, Err(e));
+                }
+            }
+        }
+    }
+
+    async fn read_once(&mut self) -> Result<Vec<Ready>, RedisError> {
+        let shared = Arc::clone(&self.shared);
+        if let Some(after) = self.history.clone() {
+            let reply: Value = redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg(&shared.group)
+                .arg(&shared.consumer)
+                .arg("COUNT")
+                .arg(self.count)
+                .arg("STREAMS")
+                .arg(&shared.stream)
+                .arg(&after)
+                .query_async(&mut self.conn)
+                .await?;
+            let entries = parse_read(&reply);
+            match entries.last() {
+                Some(last) => self.history = Some(last.id.clone()),
+                None => {
+                    self.history = None;
+                    return Ok(Vec::new());
+                }
+            }
+            tracing::debug!(stream = %shared.stream, n = entries.len(), "re-read own pending entries");
+            return Ok(self.counted(entries).await);
+        }
+        let now = Instant::now();
+        if now >= self.next_claim {
+            let reply: Value = redis::cmd("XAUTOCLAIM")
+                .arg(&shared.stream)
+                .arg(&shared.group)
+                .arg(&shared.consumer)
+                .arg(millis(shared.claim_idle))
+                .arg(&self.claim_cursor)
+                .arg("COUNT")
+                .arg(self.count)
+                .query_async(&mut self.conn)
+                .await?;
+            let (cursor, entries) = parse_autoclaim(&reply);
+            self.next_claim = if cursor == "0-0" {
+                now + self.claim_every()
+            } else {
+                now // more to scan
+            };
+            self.claim_cursor = cursor;
+            let entries: Vec<Entry> = {
+                let held = shared.held();
+                entries
+                    .into_iter()
+                    .filter(|e| !held.contains(&e.id))
+                    .collect()
+            };
+            if !entries.is_empty() {
+                tracing::info!(stream = %shared.stream, n = entries.len(), "claimed idle pending entries");
+                return Ok(self.counted(entries).await);
+            }
+        }
+        let wait = self
+            .block
+            .min(self.next_claim.saturating_duration_since(Instant::now()))
+            .max(Duration::from_millis(1));
+        let reply: Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg(&shared.group)
+            .arg(&shared.consumer)
+            .arg("COUNT")
+            .arg(self.count)
+            .arg("BLOCK")
+            .arg(millis(wait))
+            .arg("STREAMS")
+            .arg(&shared.stream)
+            .arg(">")
+            .query_async(&mut self.conn)
+            .await?;
+        let entries = parse_read(&reply);
+        let mut held = shared.held();
+        Ok(entries
+            .into_iter()
+            .filter_map(|e| {
+                let fields = e.fields?;
+                held.insert(e.id.clone());
+                Some(Ready {
+                    id: e.id,
+                    fields,
+                    delivery_count: 1,
+                })
+            })
+            .collect())
+    }
+
+    /// Marks entries as held and reads their delivery counts from the PEL.
+    /// Entries deleted from the stream are acked and skipped.
+    async fn counted(&mut self, entries: Vec<Entry>) -> Vec<Ready> {
+        let shared = &self.shared;
+        let mut live = Vec::new();
+        for e in entries {
+            match e.fields {
+                Some(fields) => live.push((e.id, fields)),
+                None => {
+                    tracing::warn!(stream = %shared.stream, id = %e.id, "a pending entry was deleted from the stream; acking it");
+                    if let Err(err) = shared.xack(&e.id).await {
+                        tracing::warn!(stream = %shared.stream, error = %err, "XACK of a deleted entry failed");
+                    }
+                }
+            }
+        }
+        {
+            let mut held = shared.held();
+            for (id, _) in &live {
+                held.insert(id.clone());
+            }
+        }
+        let ids: Vec<&str> = live.iter().map(|(id, _)| id.as_str()).collect();
+        let counts = shared.delivery_counts(&ids).await;
+        live.into_iter()
+            .map(|(id, fields)| Ready {
+                delivery_count: counts.get(&id).copied().unwrap_or(1),
+                id,
+                fields,
+            })
+            .collect()
+    }
+}
+
+/// What the background read task hands back: the reader and a batch.
+type ReadOutcome = (Reader, Result<Vec<Ready>, SourceError>);
+
+/// Consumes one stream in a consumer group (see the [module docs](super)).
+pub struct RedisStreamSource {
+    shared: Arc<Shared>,
+    buffer: VecDeque<Ready>,
+    reader: Option<Reader>,
+    reading: Option<JoinHandle<ReadOutcome>>,
+    retries: mpsc::UnboundedReceiver<Ready>,
+    keeper: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for RedisStreamSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStreamSource")
+            .field("stream", &self.shared.stream)
+            .field("group", &self.shared.group)
+            .field("consumer", &self.shared.consumer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStreamSource {
+    /// Connects, and creates the group (and the stream) if missing.
+    pub async fn connect(config: RedisStreamConfig) -> Result<Self, SourceError> {
+        config.validate()?;
+        let conn = connection(&config.redis_url, COMMAND_TIMEOUT).await?;
+        let reader_conn = connection(&config.redis_url, config.block + COMMAND_TIMEOUT).await?;
+        create_group(&conn, &config.stream, &config.group, &config.start).await?;
+        let consumer = config
+            .consumer
+            .clone()
+            .unwrap_or_else(default_consumer_name);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared {
+            conn,
+            stream: config.stream.clone(),
+            group: config.group.clone(),
+            consumer: consumer.clone(),
+            claim_idle: config.claim_idle,
+            dead_letter_stream: config.dead_letter_stream.clone(),
+            held: Mutex::default(),
+            retries: tx,
+        });
+        let keeper = tokio::spawn(keep_fresh(Arc::downgrade(&shared), config.claim_idle / 4));
+        tracing::debug!(stream = %config.stream, group = %config.group, consumer = %consumer, "Redis Streams source connected");
+        Ok(Self {
+            reader: Some(Reader {
+                conn: reader_conn,
+                shared: Arc::clone(&shared),
+                block: config.block,
+                count: config.count,
+                history: Some("0".into()),
+                claim_cursor: "0-0".into(),
+                next_claim: Instant::now(),
+            }),
+            shared,
+            buffer: VecDeque::new(),
+            reading: None,
+            retries: rx,
+            keeper,
+        })
+    }
+
+    /// This consumer's name in the group.
+    pub fn consumer_name(&self) -> &str {
+        &self.shared.consumer
+    }
+
+    fn delivery(&self, ready: Ready) -> Delivery {
+        let (message, defect) = to_message(&ready.id, &ready.fields);
+        let meta = DeliveryMeta {
+            source: SOURCE_NAME.into(),
+            topic: Some(self.shared.stream.clone()),
+            partition: None,
+            offset: None,
+            delivery_count: ready.delivery_count.max(1),
+        };
+        let acker = RedisStreamAcker {
+            shared: Arc::clone(&self.shared),
+            entry: Some(ready),
+        };
+        let delivery = Delivery::new(message, meta, Box::new(acker));
+        match defect {
+            Some(d) => delivery.with_defect(d),
+            None => delivery,
+        }
+    }
+}
+
+async fn create_group(
+    conn: &ConnectionManager,
+    stream: &str,
+    group: &str,
+    start: &str,
+) -> Result<(), SourceError> {
+    let created = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(stream)
+        .arg(group)
+        .arg(start)
+        .arg("MKSTREAM")
+        .query_async::<Value>(&mut conn.clone())
+        .await;
+    match created {
+        Ok(_) => {
+            tracing::info!(stream, group, "created the consumer group");
+            Ok(())
+        }
+        Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+        Err(e) => Err(broker_error(&format!("XGROUP CREATE {stream} {group}"), e)),
+    }
+}
+
+impl Drop for RedisStreamSource {
+    /// Stops reading. Entries read but not handed out stay pending and come
+    /// back through `XAUTOCLAIM` (or a restart under the same consumer name).
+    fn drop(&mut self) {
+        if let Some(task) = self.reading.take() {
+            task.abort();
+        }
+        self.keeper.abort();
+        let mut held = self.shared.held();
+        for ready in self.buffer.drain(..) {
+            held.remove(&ready.id);
+        }
+    }
+}
+
+#[async_trait]
+impl Source for RedisStreamSource {
+    /// The next delivery; never `None` (a stream does not end). Cancel-safe:
+    /// a read in progress continues and is picked up by the next call.
+    async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
+        loop {
+            if let Some(ready) = self.buffer.pop_front() {
+                return Ok(Some(self.delivery(ready)));
+            }
+            if let Ok(ready) = self.retries.try_recv() {
+                return Ok(Some(self.delivery(ready)));
+            }
+            if self.reading.is_none() {
+                let Some(reader) = self.reader.take() else {
+                    return Err(SourceError::other("the Redis Streams reader was lost"));
+                };
+                self.reading = Some(tokio::spawn(reader.read()));
+            }
+            let Some(task) = self.reading.as_mut() else {
+                continue;
+            };
+            tokio::select! {
+                done = task => {
+                    self.reading = None;
+                    let (reader, batch) = done.map_err(|e| {
+                        SourceError::other(format!("the Redis Streams read task failed: {e}"))
+                    })?;
+                    self.reader = Some(reader);
+                    self.buffer.extend(batch?);
+                }
+                Some(ready) = self.retries.recv() => {
+                    return Ok(Some(self.delivery(ready)));
+                }
+            }
+        }
+    }
+}

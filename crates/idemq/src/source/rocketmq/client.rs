@@ -1,0 +1,322 @@
+//! The RocketMQ client thread: its own runtime, the producer and the push
+//! consumer, reached through channels.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rocketmq_client_rust::{
+    ClientConfig, ClientRuntime, ClientRuntimeConfig, DefaultMQProducer, DefaultMQPushConsumer,
+    MQPushConsumer, TelemetryHandle,
+};
+use rocketmq_model::common::consumer::consume_from_where::ConsumeFromWhere;
+use rocketmq_model::common::message::message_single::Message as RmqMessage;
+use rocketmq_runtime::{RuntimeConfig, RuntimeOwner};
+use tokio::sync::mpsc;
+
+use super::config::{RocketMqConfig, StartFrom};
+use super::source::Listener;
+use crate::error::SourceError;
+
+/// How long a send waits for the broker.
+const SEND_TIMEOUT_MS: u64 = 10_000;
+
+fn broker(e: impl std::fmt::Display) -> SourceError {
+    SourceError::broker(e.to_string())
+}
+
+/// What the consumer side of a client thread needs.
+pub(super) struct ConsumerSetup {
+    pub(super) config: RocketMqConfig,
+    pub(super) listener: Listener,
+}
+
+/// A request to the client thread.
+struct SendRequest {
+    message: RmqMessage,
+    topic: String,
+    reply: tokio::sync::oneshot::Sender<Result<(), SourceError>>,
+}
+
+/// A handle to a producer running on a client thread.
+#[derive(Clone)]
+pub(super) struct Producer {
+    requests: mpsc::UnboundedSender<SendRequest>,
+}
+
+impl Producer {
+    pub(super) async fn send(&self, topic: &str, message: RmqMessage) -> Result<(), SourceError> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let gone = || SourceError::other("the RocketMQ client has shut down");
+        self.requests
+            .send(SendRequest {
+                message,
+                topic: topic.to_owned(),
+                reply,
+            })
+            .map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
+    }
+}
+
+/// The RocketMQ client: its own Tokio runtime (the crate insists on owning
+/// one) on a thread of its own, with a producer and/or a push consumer.
+///
+/// The client's objects never leave that thread: their types are too deep
+/// for the compiler to prove them `Send` inside `idemq`'s futures, and they
+/// are only reached through channels. Dropping the client (or
+/// [`Client::shutdown`]) shuts them down there.
+pub(super) struct Client {
+    close: Option<tokio::sync::oneshot::Sender<()>>,
+    done: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl Client {
+    /// Starts the client thread and waits until the producer (if
+    /// `producer`) and the consumer (if `consumer`) have started.
+    pub(super) async fn start(
+        name_server: String,
+        producer: bool,
+        consumer: Option<ConsumerSetup>,
+    ) -> Result<(Self, Option<Producer>), SourceError> {
+        let (ready_tx, ready) = tokio::sync::oneshot::channel();
+        let (close, close_rx) = tokio::sync::oneshot::channel();
+        let (done_tx, done) = tokio::sync::oneshot::channel();
+        let (requests, requests_rx) = mpsc::unbounded_channel();
+        let spawned = std::thread::Builder::new()
+            .name("idemq-rocketmq".into())
+            .spawn(move || {
+                client_thread(
+                    name_server,
+                    producer,
+                    consumer,
+                    ClientChannels {
+                        ready: ready_tx,
+                        close: close_rx,
+                        requests: requests_rx,
+                    },
+                );
+                let _ = done_tx.send(());
+            });
+        if let Err(e) = spawned {
+            return Err(SourceError::other(format!(
+                "could not start the RocketMQ client thread: {e}"
+            )));
+        }
+        let client = Client {
+            close: Some(close),
+            done: Some(done),
+        };
+        match ready.await {
+            Ok(Ok(())) => Ok((client, producer.then_some(Producer { requests }))),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(SourceError::other(
+                "the RocketMQ client thread stopped while starting",
+            )),
+        }
+    }
+
+    /// Shuts the client down and waits until it has finished.
+    pub(super) async fn shutdown(mut self) {
+        self.close.take();
+        if let Some(done) = self.done.take() {
+            let _ = done.await;
+        }
+    }
+}
+
+struct ClientChannels {
+    ready: tokio::sync::oneshot::Sender<Result<(), SourceError>>,
+    close: tokio::sync::oneshot::Receiver<()>,
+    requests: mpsc::UnboundedReceiver<SendRequest>,
+}
+
+/// The client thread's body.
+fn client_thread(
+    name_server: String,
+    want_producer: bool,
+    consumer: Option<ConsumerSetup>,
+    channels: ClientChannels,
+) {
+    let listeners = consumer
+        .as_ref()
+        .map_or(1, |c| c.config.consume_threads as usize);
+    let listener_timeout = consumer
+        .as_ref()
+        .map_or(Duration::from_secs(60), |c| c.config.consume_timeout);
+    let owner = match runtime_owner(listeners, listener_timeout) {
+        Ok(owner) => owner,
+        Err(e) => {
+            let _ = channels.ready.send(Err(e));
+            return;
+        }
+    };
+    owner.block_on(drive(
+        name_server,
+        want_producer,
+        consumer,
+        channels,
+        &owner,
+    ));
+    if let Err(e) = owner.shutdown_runtime_blocking_with_timeout(Duration::from_secs(5)) {
+        tracing::debug!(error = %e, "RocketMQ client runtime shutdown");
+    }
+}
+
+/// Builds the client's Tokio runtime; `listeners` listener calls may block
+/// at once (they run on the client's metadata blocking lane).
+fn runtime_owner(
+    listeners: usize,
+    listener_timeout: Duration,
+) -> Result<RuntimeOwner, SourceError> {
+    let mut config = RuntimeConfig::for_parallelism("idemq-rocketmq", 2);
+    let lanes = &mut config.blocking_lane_policies;
+    // Listener calls block until their delivery is settled: make room for
+    // all of them, and do not time them out before the listener's own timeout.
+    lanes.metadata_io.max_concurrency = listeners + 4;
+    lanes.metadata_io.max_queue_depth = listeners * 4 + 64;
+    lanes.metadata_io.queue_timeout = listener_timeout + Duration::from_secs(60);
+    lanes.metadata_io.task_timeout = listener_timeout + Duration::from_secs(60);
+    let lane_total = lanes.storage_io.max_concurrency
+        + lanes.metadata_io.max_concurrency
+        + lanes.cpu_crypto.max_concurrency;
+    config.max_blocking_threads = (lane_total + 8).min(512);
+    RuntimeOwner::plan(config)
+        .map_err(|e| SourceError::config(format!("RocketMQ client runtime: {e}")))?
+        .build()
+        .map_err(|e| SourceError::other(format!("RocketMQ client runtime: {e}")))
+}
+
+/// A client configuration with a unique instance name, so that every source
+/// and publisher is a client (and group member) of its own.
+fn client_config(name_server: &str) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config.set_namesrv_addr(name_server.into());
+    config.set_instance_name(
+        format!(
+            "idemq-{}-{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        )
+        .into(),
+    );
+    config
+}
+
+async fn drive(
+    name_server: String,
+    want_producer: bool,
+    consumer: Option<ConsumerSetup>,
+    channels: ClientChannels,
+    owner: &RuntimeOwner,
+) {
+    let ClientChannels {
+        ready,
+        mut close,
+        mut requests,
+    } = channels;
+    let client = match ClientRuntime::try_new(
+        owner.root_context().component("idemq-rocketmq"),
+        ClientRuntimeConfig {
+            shutdown_timeout: Duration::from_secs(10),
+            ..ClientRuntimeConfig::default()
+        },
+        TelemetryHandle::noop(),
+    ) {
+        Ok(client) => client,
+        Err(e) => {
+            let _ = ready.send(Err(SourceError::other(format!(
+                "RocketMQ client runtime: {e}"
+            ))));
+            return;
+        }
+    };
+
+    let mut producer = None;
+    let mut push = None;
+    let mut started: Result<(), SourceError> = Ok(());
+    if want_producer {
+        let mut p = DefaultMQProducer::builder(Arc::clone(&client))
+            .client_config(client_config(&name_server))
+            .producer_group(format!("idemq_producer_{}", uuid::Uuid::new_v4().simple()))
+            .send_msg_timeout(SEND_TIMEOUT_MS as u32)
+            .build();
+        match p.start().await {
+            Ok(()) => producer = Some(p),
+            Err(e) => started = Err(broker(format!("starting the RocketMQ producer: {e}"))),
+        }
+    }
+    if let (Ok(()), Some(setup)) = (&started, consumer) {
+        let config = setup.config;
+        let timeout_minutes = config.consume_timeout.as_secs().div_ceil(60).max(1) + 1;
+        let mut c = DefaultMQPushConsumer::builder(Arc::clone(&client))
+            .client_config(client_config(&name_server))
+            .consumer_group(config.group.as_str())
+            .consume_from_where(match config.start_from {
+                StartFrom::Earliest => ConsumeFromWhere::ConsumeFromFirstOffset,
+                StartFrom::Latest => ConsumeFromWhere::ConsumeFromLastOffset,
+            })
+            .consume_thread_min(config.consume_threads)
+            .consume_thread_max(config.consume_threads)
+            .consume_message_batch_max_size(1)
+            .max_reconsume_times(config.max_reconsume_times)
+            .consume_timeout(timeout_minutes)
+            .await_termination_millis_when_shutdown(2_000)
+            .build();
+        let result = async {
+            c.subscribe(config.topic.as_str(), config.tags.as_str())
+                .await?;
+            c.register_message_listener_concurrently(setup.listener);
+            c.start().await
+        }
+        .await;
+        match result {
+            Ok(()) => push = Some(c),
+            Err(e) => {
+                started = Err(broker(format!(
+                    "starting the RocketMQ consumer of {:?} in group {:?}: {e}",
+                    config.topic, config.group
+                )));
+                c.shutdown().await;
+            }
+        }
+    }
+
+    let ok = started.is_ok();
+    if ready.send(started).is_ok() && ok {
+        loop {
+            tokio::select! {
+                _ = &mut close => break,
+                request = requests.recv() => {
+                    let Some(request) = request else {
+                        // No producer handle left (or none made): wait for the close.
+                        let _ = (&mut close).await;
+                        break;
+                    };
+                    let result = match &producer {
+                        Some(p) => match p.send_with_timeout(request.message, SEND_TIMEOUT_MS).await {
+                            Ok(Some(_)) => Ok(()),
+                            Ok(None) => Err(broker(format!(
+                                "publishing to {:?}: the broker returned no send result",
+                                request.topic
+                            ))),
+                            Err(e) => Err(broker(format!("publishing to {:?}: {e}", request.topic))),
+                        },
+                        None => Err(SourceError::other("this RocketMQ client has no producer")),
+                    };
+                    let _ = request.reply.send(result);
+                }
+            }
+        }
+    }
+    requests.close();
+    if let Some(mut c) = push {
+        c.shutdown().await;
+    }
+    if let Some(mut p) = producer {
+        p.shutdown().await;
+    }
+    let report = client.shutdown().await;
+    if !report.is_healthy() {
+        tracing::debug!(report = %report.to_json(), "RocketMQ client shutdown report");
+    }
+}

@@ -1,0 +1,303 @@
+//! The lease store itself ([`RedisStore`]): connecting, and the [`Store`]
+//! side: claim, commit, rollback, failures and dead letters.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use redis::{Cmd, RedisError};
+
+use super::{
+    done_value, encode_dead_letter, map_err, millis, parse_done, DropRelease, Keys,
+    RedisConnection, RedisLease, RedisOptions, Scripts,
+};
+use crate::effect::EffectJournal;
+use crate::error::{StoreError, StoreErrorKind};
+use crate::store::{now_ms, Claim, ClaimRequest, DeadLetter, Store};
+
+/// The Redis lease store (see the module docs). Cloning shares the connection.
+#[derive(Debug, Clone)]
+pub struct RedisStore {
+    pub(super) conn: RedisConnection,
+    pub(super) keys: Keys,
+    pub(super) options: RedisOptions,
+    pub(super) scripts: Arc<Scripts>,
+}
+
+impl RedisStore {
+    /// Connects to one Redis with default options.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::connect_with(url, RedisOptions::default()).await
+    }
+
+    /// Connects to one Redis with `options`.
+    pub async fn connect_with(url: &str, options: RedisOptions) -> Result<Self, StoreError> {
+        options.validate()?;
+        let conn = RedisConnection::connect(url, &options).await?;
+        Ok(Self::with_connection(conn, options))
+    }
+
+    /// Connects to a Redis Cluster through any of its `nodes`.
+    pub async fn connect_cluster(
+        nodes: &[&str],
+        options: RedisOptions,
+    ) -> Result<Self, StoreError> {
+        options.validate()?;
+        let conn = RedisConnection::connect_cluster(nodes, &options).await?;
+        Ok(Self::with_connection(conn, options))
+    }
+
+    /// A store over an existing connection (e.g. shared with a
+    /// [`RedisFilter`](crate::store::cache::RedisFilter)). `options.prefix` is
+    /// used as given; an invalid prefix fails on first use of the bad keys
+    /// only in that it breaks the Cluster slot layout, so prefer the
+    /// `connect*` constructors, which validate it.
+    pub fn with_connection(conn: RedisConnection, options: RedisOptions) -> Self {
+        Self {
+            conn,
+            keys: Keys::new(&options.prefix),
+            options,
+            scripts: Arc::new(Scripts::new()),
+        }
+    }
+
+    /// The connection (to share it).
+    pub fn connection(&self) -> &RedisConnection {
+        &self.conn
+    }
+
+    /// The options.
+    pub fn options(&self) -> &RedisOptions {
+        &self.options
+    }
+
+    pub(super) fn conn(&self) -> RedisConnection {
+        self.conn.clone()
+    }
+
+    /// Best-effort update of an admin index; failures are logged.
+    pub(super) async fn index(&self, what: &str, pipe: &redis::Pipeline) {
+        let r: Result<(), RedisError> = pipe.query_async(&mut self.conn()).await;
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "updating the Redis {what} index failed");
+        }
+    }
+
+    /// `SADD`s `member` to `set` and renews the set's TTL to the retention.
+    pub(super) async fn add_to_set(&self, what: &str, set: &str, member: &str) {
+        let mut pipe = redis::pipe();
+        pipe.cmd("SADD").arg(set).arg(member).ignore();
+        pipe.cmd("PEXPIRE")
+            .arg(set)
+            .arg(millis(self.options.retention))
+            .ignore();
+        self.index(what, &pipe).await;
+    }
+
+    /// Lists a consumer name (the set has no TTL: one member per consumer).
+    pub(super) async fn add_consumer(&self, consumer: &str) {
+        let mut pipe = redis::pipe();
+        pipe.cmd("SADD")
+            .arg(self.keys.consumers())
+            .arg(consumer)
+            .ignore();
+        self.index("consumers", &pipe).await;
+    }
+
+    pub(super) async fn remove_from_set(&self, what: &str, set: &str, member: &str) {
+        let mut pipe = redis::pipe();
+        pipe.cmd("SREM").arg(set).arg(member).ignore();
+        self.index(what, &pipe).await;
+    }
+
+    pub(super) fn retention_horizon(&self) -> i64 {
+        now_ms()
+            .saturating_sub(i64::try_from(self.options.retention.as_millis()).unwrap_or(i64::MAX))
+    }
+
+    pub(super) async fn query<T: redis::FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
+        cmd.query_async(&mut self.conn()).await.map_err(map_err)
+    }
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    type Tx = RedisLease;
+
+    async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim<RedisLease>, StoreError> {
+        let token = uuid::Uuid::new_v4().simple().to_string();
+        let reply: Vec<String> = self
+            .scripts
+            .claim
+            .key(self.keys.scoped(req.consumer, req.key, "rec"))
+            .key(self.keys.scoped(req.consumer, req.key, "fence"))
+            .arg(&token)
+            .arg(millis(req.lease))
+            .arg(now_ms())
+            .arg(millis(self.options.retention + req.lease))
+            .invoke_async(&mut self.conn())
+            .await
+            .map_err(map_err)?;
+        match reply.first().map(String::as_str) {
+            Some("done") => {
+                let json = reply.get(1).map(String::as_str).unwrap_or_default();
+                parse_done(req.consumer, req.key, json)
+                    .map(Claim::Done)
+                    .ok_or_else(|| StoreError::corrupt(format!("unreadable done record: {json}")))
+            }
+            Some("busy") => Ok(Claim::InFlight),
+            Some("new") => {
+                let fencing = reply.get(1).and_then(|n| n.parse().ok()).unwrap_or(0);
+                let first_seen_ms = reply
+                    .get(2)
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or_else(now_ms);
+                let lost = Arc::new(AtomicBool::new(false));
+                let heartbeat =
+                    self.start_heartbeat(req.consumer, req.key, &token, req.lease, lost.clone());
+                Ok(Claim::New(RedisLease {
+                    consumer: req.consumer.to_owned(),
+                    key: req.key.to_owned(),
+                    fencing,
+                    first_seen_ms,
+                    lost,
+                    heartbeat: Some(heartbeat),
+                    release_on_drop: Some(DropRelease {
+                        conn: self.conn(),
+                        scripts: Arc::clone(&self.scripts),
+                        rec: self.keys.scoped(req.consumer, req.key, "rec"),
+                        token: token.clone(),
+                    }),
+                    token,
+                }))
+            }
+            _ => Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!("unexpected claim reply {reply:?}"),
+            )),
+        }
+    }
+
+    async fn commit(
+        &self,
+        mut lease: RedisLease,
+        req: &ClaimRequest<'_>,
+        result: Option<&serde_json::Value>,
+    ) -> Result<(), StoreError> {
+        lease.stop_heartbeat();
+        let (c, k) = (lease.consumer.as_str(), lease.key.as_str());
+        let done: i64 = self
+            .scripts
+            .complete
+            .key(self.keys.scoped(c, k, "rec"))
+            .key(self.keys.scoped(c, k, "fence"))
+            .key(self.keys.scoped(c, k, "att"))
+            .arg(&lease.token)
+            .arg(done_value(req.fingerprint, result, lease.first_seen_ms))
+            .arg(millis(self.options.retention))
+            .invoke_async(&mut self.conn())
+            .await
+            .map_err(map_err)?;
+        if done != 1 {
+            lease.lost.store(true, Ordering::SeqCst);
+            return Err(StoreError::lease_lost(&lease.key));
+        }
+        // The consumer's index: add the key, renew the TTL, trim entries
+        // first seen before the retention window (their records are expired
+        // or about to).
+        let done_index = self.keys.consumer(c, "done");
+        let mut pipe = redis::pipe();
+        pipe.cmd("ZADD")
+            .arg(&done_index)
+            .arg(lease.first_seen_ms)
+            .arg(k)
+            .ignore();
+        pipe.cmd("PEXPIRE")
+            .arg(&done_index)
+            .arg(millis(self.options.retention))
+            .ignore();
+        pipe.cmd("ZREMRANGEBYSCORE")
+            .arg(&done_index)
+            .arg("-inf")
+            .arg(format!("({}", self.retention_horizon()))
+            .ignore();
+        self.index("done", &pipe).await;
+        self.remove_from_set("failing", &self.keys.consumer(c, "failing"), k)
+            .await;
+        self.add_consumer(c).await;
+        Ok(())
+    }
+
+    async fn rollback(&self, mut lease: RedisLease) -> Result<(), StoreError> {
+        lease.stop_heartbeat();
+        let _: i64 = self
+            .scripts
+            .release
+            .key(self.keys.scoped(&lease.consumer, &lease.key, "rec"))
+            .arg(&lease.token)
+            .invoke_async(&mut self.conn())
+            .await
+            .map_err(map_err)?;
+        Ok(())
+    }
+
+    async fn record_failure(
+        &self,
+        consumer: &str,
+        key: &str,
+        error: &str,
+    ) -> Result<u32, StoreError> {
+        let n: i64 = self
+            .scripts
+            .fail
+            .key(self.keys.scoped(consumer, key, "att"))
+            .arg(error)
+            .arg(now_ms())
+            .arg(millis(self.options.retention))
+            .invoke_async(&mut self.conn())
+            .await
+            .map_err(map_err)?;
+        self.add_to_set("failing", &self.keys.consumer(consumer, "failing"), key)
+            .await;
+        self.add_consumer(consumer).await;
+        Ok(u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
+    async fn dead_letter(&self, letter: &DeadLetter<'_>) -> Result<(), StoreError> {
+        let json = encode_dead_letter(letter);
+        let mut invocation = self.scripts.dead_letter.prepare_invoke();
+        invocation
+            .key(self.keys.dlq("seq"))
+            .key(self.keys.dlq("data"))
+            .key(self.keys.dlq("ids"))
+            .key(self.keys.dlq_consumer(letter.consumer))
+            .key(self.keys.dlq("letters"))
+            .key(self.keys.dlq("letter_of"));
+        if let Some(key) = letter.key {
+            invocation.key(self.keys.dlq_key(letter.consumer, key));
+        }
+        let _id: i64 = invocation
+            .arg(json)
+            .arg(letter.letter_id())
+            .invoke_async(&mut self.conn())
+            .await
+            .map_err(map_err)?;
+        self.add_consumer(letter.consumer).await;
+        if let Some(key) = letter.key {
+            let mut del = redis::cmd("DEL");
+            del.arg(self.keys.scoped(letter.consumer, key, "att"));
+            let _: i64 = self.query(&del).await?;
+            self.remove_from_set(
+                "failing",
+                &self.keys.consumer(letter.consumer, "failing"),
+                key,
+            )
+            .await;
+        }
+        Ok(())
+    }
+
+    fn journal(&self) -> Option<&dyn EffectJournal> {
+        Some(self)
+    }
+}

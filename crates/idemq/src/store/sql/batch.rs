@@ -1,0 +1,317 @@
+//! The batch and offset halves of [`SqlStore`]: many claims in one
+//! transaction (savepoints isolate a failing member), and the per-partition
+//! offset watermark.
+
+use std::collections::{HashMap, HashSet};
+
+use super::database::{Bind, Column, SqlDatabase};
+use super::store::INBOX_COLUMNS;
+use super::{store_error, SqlStore};
+use crate::error::StoreError;
+use crate::store::{
+    now_ms, parse_result, BatchClaim, BatchStore, ClaimRequest, InboxRecord, OffsetClaim,
+    OffsetStore,
+};
+
+const SAVEPOINT: &str = "SAVEPOINT idemq_message";
+const RELEASE_SAVEPOINT: &str = "RELEASE SAVEPOINT idemq_message";
+const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idemq_message";
+
+#[async_trait::async_trait]
+impl<DB: SqlDatabase> BatchStore for SqlStore<DB> {
+    async fn claim_batch(
+        &self,
+        consumer: &str,
+        claims: &[(&str, &str)],
+    ) -> Result<(Self::Tx, Vec<BatchClaim>), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        if claims.is_empty() {
+            return Ok((tx, Vec::new()));
+        }
+        // Insert in key order, so that concurrent batches over overlapping
+        // keys lock rows in the same order.
+        let mut sorted: Vec<&(&str, &str)> = claims.iter().collect();
+        sorted.sort_unstable_by_key(|(key, _)| *key);
+        let now = now_ms();
+        let binds: Vec<Bind<'_>> = sorted
+            .iter()
+            .flat_map(|(key, fingerprint)| {
+                [
+                    Bind::Text(consumer),
+                    Bind::Text(key),
+                    Bind::Text(fingerprint),
+                    Bind::Int(now),
+                ]
+            })
+            .collect();
+        let sql = self.batch.claim(sorted.len());
+        let inserted: HashSet<String> = DB::fetch(&mut tx, &sql, &binds, &[Column::Text])
+            .await
+            .map_err(store_error)?
+            .iter()
+            .map(|row| row.text(0))
+            .collect::<Result<_, _>>()
+            .map_err(store_error)?;
+        let existing: Vec<&str> = claims
+            .iter()
+            .map(|(key, _)| *key)
+            .filter(|key| !inserted.contains(*key))
+            .collect();
+        let mut records = HashMap::new();
+        if !existing.is_empty() {
+            let sql = self.batch.fetch(existing.len());
+            let binds: Vec<Bind<'_>> = std::iter::once(Bind::Text(consumer))
+                .chain(existing.iter().map(|key| Bind::Text(key)))
+                .collect();
+            // msg_key, then the inbox columns.
+            let columns = [
+                Column::Text,
+                INBOX_COLUMNS[0],
+                INBOX_COLUMNS[1],
+                INBOX_COLUMNS[2],
+            ];
+            for row in DB::fetch(&mut tx, &sql, &binds, &columns)
+                .await
+                .map_err(store_error)?
+            {
+                let key = row.text(0).map_err(store_error)?;
+                let record = InboxRecord {
+                    consumer: consumer.to_owned(),
+                    key: key.clone(),
+                    fingerprint: row.text(1).map_err(store_error)?,
+                    result: parse_result(row.opt_text(2).map_err(store_error)?),
+                    first_seen_ms: row.int(3).map_err(store_error)?,
+                };
+                records.insert(key, record);
+            }
+        }
+        let answers = claims
+            .iter()
+            .map(|(key, _)| {
+                if inserted.contains(*key) {
+                    BatchClaim::New
+                } else {
+                    records
+                        .remove(*key)
+                        .map_or(BatchClaim::Busy, BatchClaim::Done)
+                }
+            })
+            .collect();
+        Ok((tx, answers))
+    }
+
+    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+        DB::execute(tx, SAVEPOINT, &[])
+            .await
+            .map(|_| ())
+            .map_err(store_error)
+    }
+
+    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+        DB::execute(tx, RELEASE_SAVEPOINT, &[])
+            .await
+            .map(|_| ())
+            .map_err(store_error)
+    }
+
+    async fn rollback_message(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        key: &str,
+    ) -> Result<(), StoreError> {
+        DB::execute(tx, ROLLBACK_TO_SAVEPOINT, &[])
+            .await
+            .map_err(store_error)?;
+        DB::execute(tx, RELEASE_SAVEPOINT, &[])
+            .await
+            .map_err(store_error)?;
+        let binds = [Bind::Text(consumer), Bind::Text(key)];
+        DB::execute(tx, &self.batch.unclaim(), &binds)
+            .await
+            .map(|_| ())
+            .map_err(store_error)
+    }
+
+    async fn commit_batch(
+        &self,
+        mut tx: Self::Tx,
+        consumer: &str,
+        processed: &[(&str, Option<&serde_json::Value>)],
+    ) -> Result<(), StoreError> {
+        for (key, result) in processed {
+            if let Some(result) = result {
+                self.set_result(&mut tx, consumer, key, result).await?;
+            }
+        }
+        if !processed.is_empty() {
+            let sql = self.batch.clear_attempts(processed.len());
+            let binds: Vec<Bind<'_>> = std::iter::once(Bind::Text(consumer))
+                .chain(processed.iter().map(|(key, _)| Bind::Text(key)))
+                .collect();
+            DB::execute(&mut tx, &sql, &binds)
+                .await
+                .map_err(store_error)?;
+        }
+        tx.commit().await.map_err(store_error)
+    }
+}
+
+impl<DB: SqlDatabase> SqlStore<DB> {
+    /// Locks the partition's offset row in `tx`; its next offset, if it exists.
+    async fn lock_offset(
+        &self,
+        tx: &mut DB::Connection,
+        consumer: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Option<i64>, StoreError> {
+        let binds = [
+            Bind::Text(consumer),
+            Bind::Text(topic),
+            Bind::Int(i64::from(partition)),
+        ];
+        let rows = DB::fetch(tx, &self.queries.offset_lock, &binds, &[Column::Int])
+            .await
+            .map_err(store_error)?;
+        rows.first()
+            .map(|row| row.int(0))
+            .transpose()
+            .map_err(store_error)
+    }
+}
+
+#[async_trait::async_trait]
+impl<DB: SqlDatabase> OffsetStore for SqlStore<DB> {
+    async fn claim_offset(
+        &self,
+        consumer: &str,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+    ) -> Result<OffsetClaim<Self::Tx>, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        // Lock the partition's row; only the first claim of a partition ever
+        // finds none and creates it (one round trip per message in the
+        // steady state, not two).
+        let mut next_offset = self
+            .lock_offset(&mut tx, consumer, topic, partition)
+            .await?;
+        if next_offset.is_none() {
+            // Create the row outside this transaction, then lock it in a new
+            // one: on MySQL/MariaDB the locking read of a missing row holds a
+            // gap lock, and two first claims (of different partitions)
+            // inserting under their gap locks deadlock each other.
+            tx.rollback().await.map_err(store_error)?;
+            let binds = [
+                Bind::Text(consumer),
+                Bind::Text(topic),
+                Bind::Int(i64::from(partition)),
+                Bind::Int(now_ms()),
+            ];
+            Self::execute_on(&self.pool, &self.queries.offset_ensure, &binds).await?;
+            tx = self.pool.begin().await.map_err(store_error)?;
+            next_offset = self
+                .lock_offset(&mut tx, consumer, topic, partition)
+                .await?;
+        }
+        let next_offset = next_offset.ok_or_else(|| {
+            StoreError::transient(format!(
+                "the offset row of {topic}/{partition} is not visible after creating it"
+            ))
+        })?;
+        if offset < next_offset {
+            tx.rollback().await.map_err(store_error)?;
+            return Ok(OffsetClaim::Applied { next_offset });
+        }
+        Ok(OffsetClaim::New(tx))
+    }
+
+    async fn claim_key_in(
+        &self,
+        tx: &mut Self::Tx,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Option<InboxRecord>, StoreError> {
+        if self.insert_claim(tx, req).await? {
+            return Ok(None);
+        }
+        let record = Self::fetch_record(tx, &self.queries.fetch, req.consumer, req.key).await?;
+        record.map(Some).ok_or_else(|| {
+            StoreError::transient(format!(
+                "key {:?} exists but its row is not visible yet",
+                req.key
+            ))
+        })
+    }
+
+    async fn commit_offset(
+        &self,
+        mut tx: Self::Tx,
+        consumer: &str,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+        key: Option<(&ClaimRequest<'_>, Option<&serde_json::Value>)>,
+    ) -> Result<(), StoreError> {
+        let next = offset.saturating_add(1);
+        let binds = [
+            Bind::Int(next),
+            Bind::Int(next),
+            Bind::Int(now_ms()),
+            Bind::Text(consumer),
+            Bind::Text(topic),
+            Bind::Int(i64::from(partition)),
+        ];
+        DB::execute(&mut tx, &self.queries.offset_advance, &binds)
+            .await
+            .map_err(store_error)?;
+        if let Some((req, Some(result))) = key {
+            self.set_result(&mut tx, req.consumer, req.key, result)
+                .await?;
+        }
+        tx.commit().await.map_err(store_error)
+    }
+
+    async fn advance_offset(
+        &self,
+        consumer: &str,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+    ) -> Result<(), StoreError> {
+        match self
+            .claim_offset(consumer, topic, partition, offset)
+            .await?
+        {
+            OffsetClaim::New(tx) => {
+                self.commit_offset(tx, consumer, topic, partition, offset, None)
+                    .await
+            }
+            OffsetClaim::Applied { .. } => Ok(()),
+        }
+    }
+
+    async fn watermark(
+        &self,
+        consumer: &str,
+        topic: &str,
+        partition: i32,
+    ) -> Result<Option<i64>, StoreError> {
+        let binds = [
+            Bind::Text(consumer),
+            Bind::Text(topic),
+            Bind::Int(i64::from(partition)),
+        ];
+        let rows = Self::fetch_on(
+            &self.pool,
+            &self.queries.offset_select,
+            &binds,
+            &[Column::Int],
+        )
+        .await?;
+        rows.first()
+            .map(|row| row.int(0))
+            .transpose()
+            .map_err(store_error)
+    }
+}
