@@ -1,12 +1,14 @@
 //! The engine: one message from delivery to ack, and the loop that runs a source.
 //!
-//! For each delivery, in this order:
-//! 1. derive the business key and payload fingerprint (bad input → dead letter);
-//!    deliveries of one key wait in its lane for the earlier ones (`lanes`);
-//! 2. **claim** the key in the store (insert first);
-//! 3. run the **handler** with the store's transaction (or lease);
-//! 4. store the result and **commit**;
-//! 5. only then **ack** the delivery.
+//! Every mode runs one pipeline (`pipeline`), in this order:
+//! 1. **identify**: derive the business key and payload fingerprint (bad
+//!    input → dead letter);
+//! 2. **order**: deliveries of one key wait in its lane for the earlier
+//!    ones (`lanes`);
+//! 3. **claim** the key in the store (insert first);
+//! 4. run the **handler** with the store's transaction (or lease);
+//! 5. store the result and **complete** (commit);
+//! 6. only then **settle** (ack) the delivery, and **report** the outcome.
 //!
 //! A duplicate is acked without running anything; a retryable failure rolls
 //! back, counts an attempt outside the rolled-back transaction and nacks
@@ -14,19 +16,22 @@
 //! dead-lettered and acked. A crash at any point leaves either nothing or
 //! everything committed, and the redelivery sorts it out.
 //!
-//! [`Consumer::run_batched`] runs the same steps for a whole polled batch in
-//! one transaction (SQL stores), with a savepoint per message; see [`batch`];
-//! over the Redis lease store it claims and completes a batch in one round
-//! trip each; see [`lease_batch`].
-//! [`Consumer::run_watermarked`] replaces the per-message inbox row by an
-//! offset watermark per partition for partitioned logs; see [`watermark`].
+//! The modes differ only in what one *unit of work* is (`unit`): one key
+//! ([`Consumer::run`]); a whole polled batch in one transaction with a
+//! savepoint per message, or over the Redis lease store a batch of leases
+//! claimed and completed in one round trip each ([`Consumer::run_batched`],
+//! see [`batch`]); one record's offset, where an offset watermark per
+//! partition replaces the per-message inbox row ([`Consumer::run_watermarked`],
+//! see [`watermark`]).
 
 pub mod batch;
 mod consumer;
 mod handler;
 mod lanes;
-pub mod lease_batch;
+mod pipeline;
 mod run;
+mod steps;
+mod unit;
 pub mod watermark;
 
 pub use batch::{BatchMode, BatchOptions};

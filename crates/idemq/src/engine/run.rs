@@ -43,7 +43,7 @@ impl<S: Store> Consumer<S> {
         let consumer = self.clone();
         self.run_with(source, shutdown, move |delivery, identity, lane| {
             let consumer = consumer.clone();
-            async move { consumer.process_in_lane(delivery, identity, lane).await }
+            async move { consumer.process_in_lane(delivery, &identity, lane).await }
         })
         .await
     }

@@ -40,12 +40,11 @@ use async_trait::async_trait;
 
 use super::consumer::{Consumer, Identity};
 use super::lanes::LaneRelease;
-use crate::error::{InputError, SourceError, StoreError};
-use crate::message::{DeliveryMeta, Message};
-use crate::outcome::DeadLetterReason;
+use super::unit::offsets::Watermark;
+use crate::error::{SourceError, StoreError};
 use crate::outcome::{Outcome, Summary};
 use crate::source::{Delivery, OffsetLookup, Source};
-use crate::store::{ClaimRequest, InboxRecord, OffsetClaim, OffsetStore};
+use crate::store::OffsetStore;
 
 /// How [`Consumer::run_watermarked`] deduplicates.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -53,21 +52,6 @@ pub struct WatermarkOptions {
     /// Also claim the business key in the same transaction, to catch
     /// producer retries (new offset, same key). Off by default.
     pub dedup_keys: bool,
-}
-
-/// Where a delivery sits in its partitioned log.
-struct Position<'a> {
-    topic: &'a str,
-    partition: i32,
-    offset: i64,
-}
-
-fn position(meta: &DeliveryMeta) -> Option<Position<'_>> {
-    Some(Position {
-        topic: meta.topic.as_deref()?,
-        partition: meta.partition?,
-        offset: meta.offset?,
-    })
 }
 
 /// The watermarks of one consumer, as the source looks them up when
@@ -129,7 +113,7 @@ impl<S: OffsetStore> Consumer<S> {
             let consumer = consumer.clone();
             async move {
                 consumer
-                    .process_watermarked_in_lane(delivery, identity, options, lane)
+                    .process_watermarked_in_lane(delivery, &identity, options, lane)
                     .await
             }
         })
@@ -143,7 +127,7 @@ impl<S: OffsetStore> Consumer<S> {
         options: WatermarkOptions,
     ) -> Outcome {
         let identity = self.identify(&delivery.message, delivery.defect.as_ref());
-        self.process_watermarked_in_lane(delivery, identity, options, LaneRelease::none())
+        self.process_watermarked_in_lane(delivery, &identity, options, LaneRelease::none())
             .await
     }
 
@@ -153,165 +137,15 @@ impl<S: OffsetStore> Consumer<S> {
     async fn process_watermarked_in_lane(
         &self,
         delivery: Delivery,
-        identity: Identity,
+        identity: &Identity,
         options: WatermarkOptions,
         lane: LaneRelease,
     ) -> Outcome {
-        let (message, meta, defect, acker) = delivery.into_parts();
-        let outcome = self
-            .decide_watermarked(&message, &meta, defect, identity, options)
-            .await;
-        lane.release(&outcome);
-        self.settle(&outcome, acker).await;
-        self.report(&outcome, &meta);
-        outcome
-    }
-
-    async fn decide_watermarked(
-        &self,
-        message: &Message,
-        meta: &DeliveryMeta,
-        defect: Option<InputError>,
-        identity: Identity,
-        options: WatermarkOptions,
-    ) -> Outcome {
-        let inner = &*self.inner;
-        let consumer = inner.name.as_str();
-        let Some(at) = position(meta) else {
-            let reason = DeadLetterReason::InvalidInput(InputError::Malformed(
-                "offset-watermark mode needs a topic, a partition and an offset".into(),
-            ));
-            return self.dead_letter(None, reason, message, meta, 0).await;
-        };
-        let record_id = format!("{}-{}@{}", at.topic, at.partition, at.offset);
-        let ids = if options.dedup_keys {
-            Some(identity)
-        } else {
-            defect.map(|defect| Err((None, DeadLetterReason::InvalidInput(defect))))
-        };
-        let (key, fingerprint) = match ids {
-            Some(Ok((key, fingerprint))) => (key, fingerprint),
-            Some(Err((key, reason))) => {
-                let outcome = self
-                    .dead_letter(key.as_deref(), reason, message, meta, 0)
-                    .await;
-                return self.advance_after(outcome, &at).await;
-            }
-            None => (record_id.clone(), String::new()),
-        };
-        let mut tx = match inner
-            .store
-            .claim_offset(consumer, at.topic, at.partition, at.offset)
-            .await
-        {
-            Ok(OffsetClaim::New(tx)) => {
-                crate::failpoint::failpoint!("after_claim");
-                tx
-            }
-            Ok(OffsetClaim::Applied { .. }) => {
-                return Outcome::Duplicate {
-                    record: InboxRecord {
-                        consumer: consumer.to_owned(),
-                        key,
-                        fingerprint,
-                        result: None,
-                        first_seen_ms: 0,
-                    },
-                }
-            }
-            Err(e) => return self.busy(Some(key), format!("offset claim failed: {e}")),
-        };
-        let req = ClaimRequest {
-            consumer,
-            key: &key,
-            fingerprint: &fingerprint,
-            lease: inner.lease,
-        };
-        if options.dedup_keys {
-            match inner.store.claim_key_in(&mut tx, &req).await {
-                Ok(None) => {}
-                Ok(Some(record)) => {
-                    // A producer retry (or a conflict): nothing to apply, but
-                    // the watermark moves past this record.
-                    let moved = inner
-                        .store
-                        .commit_offset(tx, consumer, at.topic, at.partition, at.offset, None)
-                        .await;
-                    if let Err(e) = moved {
-                        return self.busy(Some(key), format!("commit failed: {e}"));
-                    }
-                    return if record.fingerprint == fingerprint {
-                        Outcome::Duplicate { record }
-                    } else {
-                        self.conflict(record, fingerprint, message, meta).await
-                    };
-                }
-                Err(e) => {
-                    if let Err(e) = inner.store.rollback(tx).await {
-                        tracing::warn!(consumer, error = %e, "rollback failed");
-                    }
-                    return self.busy(Some(key), format!("key claim failed: {e}"));
-                }
-            }
-        }
-        if let Some(error) = self.over_delivery_limit(meta) {
-            if let Err(e) = inner.store.rollback(tx).await {
-                tracing::warn!(consumer, error = %e, "rollback failed");
-            }
-            let outcome = self
-                .dead_letter_with(
-                    Some(&key),
-                    DeadLetterReason::DeliveryLimit,
-                    &error,
-                    message,
-                    meta,
-                    0,
-                )
-                .await;
-            return self.advance_after(outcome, &at).await;
-        }
-        let result = self.call_handler(&mut tx, &req, message, meta).await;
-        crate::failpoint::failpoint!("after_handler");
-        match result {
-            Ok(value) => {
-                let keyed = options.dedup_keys.then_some((&req, value.as_ref()));
-                crate::failpoint::failpoint!("before_commit");
-                match inner
-                    .store
-                    .commit_offset(tx, consumer, at.topic, at.partition, at.offset, keyed)
-                    .await
-                {
-                    Ok(()) => {
-                        crate::failpoint::failpoint!("after_commit_before_ack");
-                        Outcome::Processed { key, result: value }
-                    }
-                    Err(e) => self.busy(Some(key), format!("commit failed: {e}")),
-                }
-            }
-            Err(error) => {
-                if let Err(e) = inner.store.rollback(tx).await {
-                    tracing::warn!(consumer, error = %e, "rollback failed");
-                }
-                let outcome = self.failed(&key, error, message, meta).await;
-                self.advance_after(outcome, &at).await
-            }
-        }
-    }
-
-    /// After a dead letter, moves the watermark past the record; if that
-    /// fails the record is retried (and dead-lettered again), never lost.
-    async fn advance_after(&self, outcome: Outcome, at: &Position<'_>) -> Outcome {
-        if !matches!(outcome, Outcome::DeadLettered { .. }) {
-            return outcome;
-        }
-        let inner = &*self.inner;
-        match inner
-            .store
-            .advance_offset(&inner.name, at.topic, at.partition, at.offset)
-            .await
-        {
-            Ok(()) => outcome,
-            Err(e) => self.busy(None, format!("moving the watermark failed: {e}")),
-        }
+        let mode = Watermark(options);
+        let member = self.member(&mode, delivery, identity, lane);
+        let mut outcomes = self.process_unit(&mode, vec![member]).await;
+        outcomes
+            .pop()
+            .unwrap_or_else(|| self.busy(None, "no outcome".into()))
     }
 }

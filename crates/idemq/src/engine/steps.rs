@@ -1,0 +1,336 @@
+//! The steps every mode shares: identify a delivery, call the handler,
+//! decide what a failure, a conflict or a dead letter comes to, settle the
+//! delivery with its source and report the outcome.
+
+use std::panic::AssertUnwindSafe;
+use std::time::Instant;
+
+use futures_util::FutureExt;
+
+use super::consumer::{Consumer, Identity};
+use super::handler::{Context, HandlerResult};
+use super::lanes::LaneRelease;
+use super::unit::single::PerMessage;
+use crate::error::{HandlerError, HandlerErrorKind, InputError};
+use crate::message::{DeliveryMeta, Message};
+use crate::outcome::{DeadLetterReason, Outcome};
+use crate::policy::ConflictPolicy;
+use crate::source::{Acknowledger, Delivery};
+use crate::store::{ClaimRequest, DeadLetter, Store};
+
+impl<S: Store> Consumer<S> {
+    /// Processes one delivery to its outcome and settles it with its source:
+    /// ack after commit (processed, duplicate), nack with a delay (retry
+    /// later), or dead-letter and ack.
+    pub async fn process(&self, delivery: Delivery) -> Outcome {
+        let identity = self.identify(&delivery.message, delivery.defect.as_ref());
+        self.process_in_lane(delivery, &identity, LaneRelease::none())
+            .await
+    }
+
+    /// [`process`](Self::process) of a delivery identified already (its
+    /// business key and fingerprint), releasing `lane` once the outcome is
+    /// decided and before the delivery is settled.
+    pub(crate) async fn process_in_lane(
+        &self,
+        delivery: Delivery,
+        identity: &Identity,
+        lane: LaneRelease,
+    ) -> Outcome {
+        let member = self.member(&PerMessage, delivery, identity, lane);
+        let mut outcomes = self.process_unit(&PerMessage, vec![member]).await;
+        outcomes
+            .pop()
+            .unwrap_or_else(|| self.busy(None, "no outcome".into()))
+    }
+
+    pub(crate) async fn settle(&self, outcome: &Outcome, acker: Box<dyn Acknowledger>) {
+        let result = match outcome {
+            Outcome::Processed { .. } | Outcome::Duplicate { .. } => acker.ack().await,
+            Outcome::Conflict { .. } => match self.inner.conflict {
+                ConflictPolicy::DeadLetter => {
+                    acker.forward_dead_letter(&DeadLetterReason::Conflict).await
+                }
+                ConflictPolicy::Ignore => acker.ack().await,
+            },
+            Outcome::RetryLater { delay, .. } => acker.nack(*delay).await,
+            Outcome::DeadLettered { reason, .. } => acker.forward_dead_letter(reason).await,
+        };
+        if let Err(e) = result {
+            // Nothing is lost: the source redelivers and the inbox answers.
+            tracing::warn!(consumer = %self.inner.name, error = %e, "settling the delivery failed");
+        }
+    }
+
+    pub(crate) fn report(&self, outcome: &Outcome, meta: &DeliveryMeta) {
+        let consumer = self.inner.name.as_str();
+        match outcome {
+            Outcome::Processed { key, .. } => {
+                tracing::info!(consumer, key = %key, offset = ?meta.offset, "processed")
+            }
+            Outcome::Duplicate { record } => tracing::warn!(
+                consumer, key = %record.key, first_seen_ms = record.first_seen_ms,
+                "duplicate skipped"
+            ),
+            Outcome::Conflict {
+                record,
+                fingerprint,
+            } => tracing::error!(
+                consumer, key = %record.key, stored = %record.fingerprint, got = %fingerprint,
+                "conflict: key reused with another payload"
+            ),
+            Outcome::RetryLater {
+                key,
+                attempts,
+                delay,
+                error,
+            } => tracing::warn!(
+                consumer, key = ?key, attempts, delay_ms = delay.as_millis() as u64, error = %error,
+                "will retry"
+            ),
+            Outcome::DeadLettered { key, reason, error } => tracing::error!(
+                consumer, key = ?key, reason = %reason, error = %error, offset = ?meta.offset,
+                "dead-lettered"
+            ),
+        }
+        metrics::counter!(
+            "idemq_messages_total",
+            "consumer" => self.inner.name.clone(),
+            "outcome" => outcome.kind().as_str()
+        )
+        .increment(1);
+        if let Some(hook) = &self.inner.on_outcome {
+            hook(outcome);
+        }
+    }
+
+    /// The identify step: the business key and fingerprint of a message, or
+    /// why it must be dead-lettered (with the key when one was derived). A
+    /// source's `defect` (an undecodable record) wins.
+    pub(crate) fn identify(&self, message: &Message, defect: Option<&InputError>) -> Identity {
+        let inner = &*self.inner;
+        if let Some(defect) = defect {
+            return Err((None, DeadLetterReason::InvalidInput(defect.clone())));
+        }
+        let key = inner
+            .key
+            .extract(message)
+            .map_err(|e| (None, DeadLetterReason::InvalidInput(e)))?;
+        match inner.fingerprint.compute(message) {
+            Ok(fingerprint) => Ok((key, fingerprint)),
+            Err(e) => Err((Some(key), DeadLetterReason::InvalidInput(e))),
+        }
+    }
+
+    /// Why a delivery is past [`RetryPolicy::max_deliveries`], if it is.
+    pub(crate) fn over_delivery_limit(&self, meta: &DeliveryMeta) -> Option<String> {
+        let max = self.inner.retry.max_deliveries?;
+        (meta.delivery_count > max).then(|| {
+            format!(
+                "delivered {} times, more than max_deliveries {max}",
+                meta.delivery_count
+            )
+        })
+    }
+
+    /// Runs the handler once with `tx`: a panic or a timeout becomes a
+    /// retryable error.
+    pub(crate) async fn call_handler(
+        &self,
+        tx: &mut S::Tx,
+        req: &ClaimRequest<'_>,
+        message: &Message,
+        meta: &DeliveryMeta,
+    ) -> HandlerResult {
+        let inner = &*self.inner;
+        let ctx = Context {
+            consumer: req.consumer,
+            key: req.key,
+            fingerprint: req.fingerprint,
+            message,
+            meta,
+            attempt: meta.delivery_count.max(1),
+            journal: inner.store.journal(),
+        };
+        let started = Instant::now();
+        let result = {
+            let run = AssertUnwindSafe(inner.handler.handle(&ctx, tx)).catch_unwind();
+            match inner.handler_timeout {
+                Some(limit) => match tokio::time::timeout(limit, run).await {
+                    Ok(r) => r,
+                    Err(_) => Ok(Err(HandlerError::retryable(format!(
+                        "handler timed out after {limit:?}"
+                    )))),
+                },
+                None => run.await,
+            }
+        };
+        metrics::histogram!("idemq_handler_seconds", "consumer" => inner.name.clone())
+            .record(started.elapsed().as_secs_f64());
+        result.unwrap_or_else(|panic| {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_owned());
+            Err(HandlerError::retryable(format!("handler panicked: {what}")))
+        })
+    }
+
+    pub(crate) async fn failed(
+        &self,
+        key: &str,
+        error: HandlerError,
+        message: &Message,
+        meta: &DeliveryMeta,
+    ) -> Outcome {
+        let inner = &*self.inner;
+        let text = error.message();
+        match error.kind() {
+            HandlerErrorKind::Conflict => {
+                self.dead_letter_with(
+                    Some(key),
+                    DeadLetterReason::Conflict,
+                    text,
+                    message,
+                    meta,
+                    1,
+                )
+                .await
+            }
+            HandlerErrorKind::Permanent => {
+                self.dead_letter_with(
+                    Some(key),
+                    DeadLetterReason::PermanentFailure,
+                    text,
+                    message,
+                    meta,
+                    1,
+                )
+                .await
+            }
+            HandlerErrorKind::Retryable => {
+                let attempts = match inner.store.record_failure(&inner.name, key, text).await {
+                    Ok(n) => n,
+                    Err(e) => {
+                        // Counting failed (the store is down): retry without counting.
+                        return self.busy(
+                            Some(key.to_owned()),
+                            format!("{text}; counting the attempt failed: {e}"),
+                        );
+                    }
+                };
+                if attempts >= inner.retry.max_attempts {
+                    return self
+                        .dead_letter_with(
+                            Some(key),
+                            DeadLetterReason::RetriesExhausted,
+                            text,
+                            message,
+                            meta,
+                            attempts,
+                        )
+                        .await;
+                }
+                Outcome::RetryLater {
+                    key: Some(key.to_owned()),
+                    attempts,
+                    delay: error
+                        .retry_after()
+                        .unwrap_or_else(|| inner.retry.backoff(attempts)),
+                    error: text.to_owned(),
+                }
+            }
+        }
+    }
+
+    pub(crate) async fn conflict(
+        &self,
+        record: crate::store::InboxRecord,
+        fingerprint: String,
+        message: &Message,
+        meta: &DeliveryMeta,
+    ) -> Outcome {
+        if self.inner.conflict == ConflictPolicy::DeadLetter {
+            let error = format!(
+                "key {:?} was processed with fingerprint {}; this message has {}",
+                record.key, record.fingerprint, fingerprint
+            );
+            let outcome = self
+                .dead_letter_with(
+                    Some(&record.key),
+                    DeadLetterReason::Conflict,
+                    &error,
+                    message,
+                    meta,
+                    0,
+                )
+                .await;
+            if matches!(outcome, Outcome::RetryLater { .. }) {
+                return outcome;
+            }
+        }
+        Outcome::Conflict {
+            record,
+            fingerprint,
+        }
+    }
+
+    /// Not this message's fault: retry after the busy delay without counting an attempt.
+    pub(crate) fn busy(&self, key: Option<String>, error: String) -> Outcome {
+        Outcome::RetryLater {
+            key,
+            attempts: 0,
+            delay: self.inner.retry.busy_delay,
+            error,
+        }
+    }
+
+    pub(crate) async fn dead_letter(
+        &self,
+        key: Option<&str>,
+        reason: DeadLetterReason,
+        message: &Message,
+        meta: &DeliveryMeta,
+        attempts: u32,
+    ) -> Outcome {
+        let error = match &reason {
+            DeadLetterReason::InvalidInput(e) => e.to_string(),
+            other => other.code().to_owned(),
+        };
+        self.dead_letter_with(key, reason, &error, message, meta, attempts)
+            .await
+    }
+
+    pub(crate) async fn dead_letter_with(
+        &self,
+        key: Option<&str>,
+        reason: DeadLetterReason,
+        error: &str,
+        message: &Message,
+        meta: &DeliveryMeta,
+        attempts: u32,
+    ) -> Outcome {
+        let letter = DeadLetter {
+            consumer: &self.inner.name,
+            key,
+            reason: &reason,
+            error,
+            message,
+            meta,
+            attempts,
+        };
+        match self.inner.store.dead_letter(&letter).await {
+            Ok(()) => Outcome::DeadLettered {
+                key: key.map(str::to_owned),
+                reason,
+                error: error.to_owned(),
+            },
+            // Never ack what could not be dead-lettered: it comes back.
+            Err(e) => self.busy(
+                key.map(str::to_owned),
+                format!("dead-lettering ({}) failed: {e}", reason.code()),
+            ),
+        }
+    }
+}

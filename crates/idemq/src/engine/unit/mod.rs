@@ -1,0 +1,132 @@
+//! Units of work: what one pass of the pipeline claims, runs and completes
+//! together, and the modes that make them.
+//!
+//! The pipeline (`super::pipeline`) is written once over [`Unit`]; a mode
+//! decides what a unit is:
+//!
+//! | mode | unit | a failing member | complete |
+//! |---|---|---|---|
+//! | per message ([`single`]) | one key in its own transaction or lease | rolls the unit back | commit / compare-and-set |
+//! | SQL batch ([`savepoints`]) | many keys in one transaction | first run: rolls the unit back, which runs again with a savepoint per member | one commit |
+//! | lease batch ([`leases`]) | many keys, a lease each, one heartbeat | releases its lease | one round trip |
+//! | offset watermark ([`offsets`]) | one record's offset (and key) in one transaction | rolls the unit back | commit with the watermark moved |
+
+use async_trait::async_trait;
+
+use super::consumer::{Consumer, Identity};
+use crate::error::{InputError, StoreError};
+use crate::message::DeliveryMeta;
+use crate::store::{ClaimRequest, InboxRecord, Store};
+
+pub(crate) mod leases;
+pub(crate) mod offsets;
+pub(crate) mod savepoints;
+pub(crate) mod single;
+
+/// One member of a unit as its store sees it: the claim and where the
+/// delivery came from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Claimant<'a> {
+    /// The key (or record) to claim.
+    pub(crate) req: ClaimRequest<'a>,
+    /// Where the delivery came from (the offset claim reads its position).
+    pub(crate) meta: &'a DeliveryMeta,
+}
+
+/// How a member's claim stands.
+#[derive(Debug)]
+pub(crate) enum Answer {
+    /// The key is new and held by the unit: run the handler.
+    New,
+    /// Processed before; here is what was stored.
+    Done(InboxRecord),
+    /// Held by another worker or not visible yet: retry later, for this reason.
+    Busy(String),
+}
+
+/// What undoing one member's work undid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Undone {
+    /// Only this member's work; the rest of the unit holds.
+    Member,
+    /// The whole unit (no savepoints): the pipeline runs it again with
+    /// every member isolated.
+    Unit,
+}
+
+/// A unit of work over store `S`: claims its members, isolates a failing
+/// one, and completes (commits) the rest together.
+///
+/// The pipeline calls, in order: [`claim`](Self::claim) once; for each new
+/// member [`isolate`](Self::isolate), the handler with [`tx`](Self::tx),
+/// then [`keep`](Self::keep) or [`undo`](Self::undo); finally
+/// [`complete`](Self::complete), or [`abort`](Self::abort) if the unit
+/// broke.
+#[async_trait]
+pub(crate) trait Unit<S: Store>: Send + Sized {
+    /// Claims every member (distinct keys); answers in order. On an error
+    /// the unit holds nothing.
+    async fn claim(&mut self, claims: &[Claimant<'_>]) -> Result<Vec<Answer>, StoreError>;
+
+    /// The transaction or lease member `n`'s handler writes through.
+    fn tx(&mut self, n: usize) -> Option<&mut S::Tx>;
+
+    /// Marks the point member `n`'s work can be undone to.
+    async fn isolate(&mut self, _n: usize) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// Keeps member `n`'s work.
+    async fn keep(&mut self, _n: usize) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    /// Undoes member `n`'s work and gives up its claim, so that its
+    /// redelivery can claim the key again.
+    async fn undo(&mut self, n: usize, claim: &Claimant<'_>) -> Result<Undone, StoreError>;
+
+    /// Stores the results of the members in `done` (member, result) and
+    /// commits the unit; answers, per member of `done` in order, whether its
+    /// claim held (a lease taken over after expiring does not).
+    async fn complete(
+        self,
+        claims: &[Claimant<'_>],
+        done: &[(usize, Option<&serde_json::Value>)],
+    ) -> Result<Vec<bool>, StoreError>;
+
+    /// Gives the whole unit up (rollback, leases released).
+    async fn abort(self);
+}
+
+/// A mode of the pipeline: what a unit is, what a member claims, and what
+/// happens after a dead letter.
+#[async_trait]
+pub(crate) trait Mode<S: Store>: Send + Sync {
+    /// The unit this mode runs.
+    type Unit: Unit<S>;
+
+    /// A new unit; `careful`: isolate every member from the start.
+    fn open(&self, consumer: &Consumer<S>, careful: bool) -> Self::Unit;
+
+    /// What a delivery claims, from its identity (business key and
+    /// fingerprint) and its source's `defect`. By default, the identity.
+    fn claim_identity(
+        &self,
+        _meta: &DeliveryMeta,
+        identity: &Identity,
+        _defect: Option<&InputError>,
+    ) -> Identity {
+        identity.clone()
+    }
+
+    /// Runs after a member was dead-lettered: the watermark mode moves past
+    /// the record so that a re-read does not dead-letter it again. An error
+    /// keeps the delivery to be retried.
+    async fn after_dead_letter(
+        &self,
+        _consumer: &Consumer<S>,
+        _meta: &DeliveryMeta,
+    ) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
