@@ -87,8 +87,9 @@ impl Plan {
 }
 
 /// A migrated PostgreSQL store with unique tables and a ledger table
-/// `{prefix}ledger (msg_key, amount)` without a unique constraint, so a
-/// double effect shows as two rows.
+/// `{prefix}ledger (seq, msg_key, amount)` without a unique constraint, so a
+/// double effect shows as two rows; `seq` numbers the rows in the order they
+/// were written.
 pub struct Ledger {
     /// The store (cheap to clone).
     pub store: PostgresStore,
@@ -108,7 +109,7 @@ impl Ledger {
         store.migrate().await.expect("migrate");
         let ledger = format!("{prefix}ledger");
         sqlx::query(&format!(
-            "CREATE TABLE {ledger} (msg_key TEXT NOT NULL, amount BIGINT NOT NULL)"
+            "CREATE TABLE {ledger} (seq BIGSERIAL, msg_key TEXT NOT NULL, amount BIGINT NOT NULL)"
         ))
         .execute(store.pool())
         .await
@@ -156,6 +157,15 @@ impl Ledger {
         .fetch_all(self.store.pool())
         .await
         .expect("read ledger")
+    }
+
+    /// The keys of the ledger rows in the order they were written (a rolled
+    /// back attempt leaves no row; its retry is written when it commits).
+    pub async fn keys_in_order(&self) -> Vec<String> {
+        sqlx::query_scalar(&format!("SELECT msg_key FROM {} ORDER BY seq", self.ledger))
+            .fetch_all(self.store.pool())
+            .await
+            .expect("read ledger")
     }
 
     /// Every expected key has exactly one ledger row with its amount, and no
