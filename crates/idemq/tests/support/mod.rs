@@ -4,8 +4,8 @@
 //! poison, a source wrapper that "crashes" after the commit and before the
 //! ack, and the exactly-once check; for the broker tests also an outcome
 //! recorder ([`Tally`]), a delivery recorder ([`Deliveries`]), runners that
-//! stop a consumer once enough outcomes are in, a consumer killed inside its
-//! handler, publishing, and the checks of dead-letter copies.
+//! stop a consumer once enough outcomes are in or when told (and one to
+//! kill), publishing, and the checks of dead-letter copies.
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap};
@@ -726,33 +726,6 @@ pub async fn run_all_until_settled<S: Source + 'static>(
         summaries.push(task.await.unwrap());
     }
     summaries
-}
-
-/// Runs `consumer` over `source` in a task, waits until `plan`'s handler was
-/// called (panics after 30 s) and `grace` more, then kills the task: the
-/// consumer dies inside the handler, before the commit, and its source and
-/// connection go without settling anything.
-pub async fn kill_inside_handler(
-    consumer: &Consumer<PostgresStore>,
-    source: impl Source + 'static,
-    plan: &Plan,
-    grace: Duration,
-) {
-    let run = tokio::spawn({
-        let consumer = consumer.clone();
-        async move { consumer.run(source).await }
-    });
-    assert!(
-        wait_until(Duration::from_secs(30), || plan
-            .calls
-            .load(Ordering::SeqCst)
-            > 0)
-        .await,
-        "the handler was never called"
-    );
-    tokio::time::sleep(grace).await;
-    run.abort();
-    assert!(run.await.unwrap_err().is_cancelled());
 }
 
 /// Takes `n` messages from `source` (each within 10 s) and acks them: for
