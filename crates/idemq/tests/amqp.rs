@@ -1,8 +1,9 @@
 //! The RabbitMQ source against the real broker on 127.0.0.1:5672
-//! (`IDEMQ_TEST_AMQP`) with the PostgreSQL ledger: both kinds of duplicates,
-//! a crash after the commit and before the ack, a crash before the commit,
-//! delayed retries through the retry queues, competing consumers, and the
-//! poison accounting of quorum queues.
+//! (`IDEMQ_TEST_AMQP`) with the PostgreSQL ledger, in what is RabbitMQ's
+//! own: poison in the dead-letter queue with its reason header (and the
+//! `idemq-key` header mapping), delayed retries through the retry queues,
+//! and the poison accounting of quorum queues. Lost acks, a consumer killed
+//! mid-handler and competing consumers are in `conformance.rs`.
 #![cfg(all(feature = "amqp", feature = "postgres"))]
 
 mod support;
@@ -18,8 +19,7 @@ use idemq::{Message, OutcomeKind, RetryPolicy};
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use support::{
-    assert_dead_lettered, eventually, payment, start, workload, Deliveries, Ledger, Plan,
-    SwallowAcks, Tally,
+    assert_dead_lettered, eventually, payment, start, workload, Deliveries, Ledger, Plan, Tally,
 };
 
 fn amqp_url() -> String {
@@ -163,94 +163,6 @@ async fn duplicates_of_both_kinds_apply_once_and_poison_is_dead_lettered_twice()
 }
 
 #[tokio::test]
-async fn crash_after_commit_before_ack_redelivers_as_duplicates() {
-    let ledger = Ledger::new().await;
-    // Prefetch above the workload: every ack is swallowed, so every delivery stays unacked.
-    let rabbit = Rabbit::new(QueueType::Classic, 100).await;
-    let w = workload(12, 0);
-    rabbit.publish(&w.messages).await;
-
-    let first = Tally::default();
-    let consumer = first.build(ledger.consumer("amqp-swallow", Arc::default()));
-    let swallowing = SwallowAcks::new(rabbit.source().await, |_| true);
-    let swallowed = Arc::clone(&swallowing.swallowed);
-    let run = start(&consumer, swallowing);
-    eventually(Duration::from_secs(20), "the first run", || async {
-        first.finals() >= w.messages.len()
-    })
-    .await;
-    // Stopping drops the source with the unacked deliveries: the consumer "died".
-    run.stop().await;
-    ledger.assert_exactly_once(&w.expected).await;
-    let swallowed = u64::from(swallowed.load(Ordering::SeqCst));
-    assert!(swallowed >= w.messages.len() as u64);
-
-    let second = Tally::default();
-    let consumer = second.build(ledger.consumer("amqp-swallow", Arc::default()));
-    let seen = Deliveries::default();
-    let source = seen.wrap(rabbit.source().await);
-    let run = start(&consumer, source);
-    eventually(Duration::from_secs(20), "the redeliveries", || async {
-        second.finals() >= w.messages.len()
-    })
-    .await;
-    let summary = run.stop().await;
-    assert_eq!(summary.count(OutcomeKind::Processed), 0, "{summary}");
-    assert_eq!(
-        summary.count(OutcomeKind::Duplicate),
-        w.messages.len() as u64
-    );
-    assert!(seen.log().iter().all(|s| s.count >= 2), "redelivered");
-    ledger.assert_exactly_once(&w.expected).await;
-    assert_eq!(rabbit.ready(rabbit.config.queue_name()).await, 0);
-    rabbit.cleanup().await;
-    ledger.cleanup().await;
-}
-
-#[tokio::test]
-async fn crash_before_commit_applies_once_after_restart() {
-    let ledger = Ledger::new().await;
-    let rabbit = Rabbit::new(QueueType::Classic, 8).await;
-    let plan = Arc::new(Plan::default());
-    let consumer = ledger
-        .consumer("amqp-kill", Arc::clone(&plan))
-        .build()
-        .unwrap();
-    rabbit
-        .publish(&[payment(
-            "m-slow",
-            "p-slow",
-            7,
-            serde_json::json!({ "sleep_ms": 700 }),
-        )])
-        .await;
-
-    let run = start(&consumer, rabbit.source().await);
-    eventually(Duration::from_secs(10), "the handler to start", || async {
-        plan.calls.load(Ordering::SeqCst) >= 1
-    })
-    .await;
-    run.kill().await; // mid-handler, before the commit
-    assert!(ledger.rows().await.is_empty());
-
-    let seen = Deliveries::default();
-    let run = start(&consumer, seen.wrap(rabbit.source().await));
-    let rows = ledger
-        .wait_for(Duration::from_secs(10), |rows| !rows.is_empty())
-        .await;
-    assert_eq!(rows.len(), 1);
-    let summary = run.stop().await;
-    assert_eq!(summary.count(OutcomeKind::Processed), 1, "{summary}");
-    assert_eq!(plan.calls.load(Ordering::SeqCst), 2);
-    assert_eq!(seen.log()[0].count, 2, "a redelivery");
-    ledger
-        .assert_exactly_once(&BTreeMap::from([("p-slow".to_owned(), 7)]))
-        .await;
-    rabbit.cleanup().await;
-    ledger.cleanup().await;
-}
-
-#[tokio::test]
 async fn retries_go_through_the_delayed_retry_queues() {
     let ledger = Ledger::new().await;
     let rabbit = Rabbit::new(QueueType::Classic, 8).await;
@@ -319,49 +231,6 @@ async fn retries_go_through_the_delayed_retry_queues() {
         rabbit.dead_letter_queue().await,
         [("retries_exhausted".to_owned(), "p-bad".to_owned())]
     );
-    rabbit.cleanup().await;
-    ledger.cleanup().await;
-}
-
-#[tokio::test]
-async fn competing_consumers_share_the_queue_exactly_once() {
-    let ledger = Ledger::new().await;
-    let rabbit = Rabbit::new(QueueType::Classic, 2).await;
-    let w = workload(30, 1);
-    let tally = Tally::default();
-    let build = || {
-        tally.build(
-            ledger
-                .consumer("amqp-compete", Arc::default())
-                .concurrency(2),
-        )
-    };
-    let (a, b) = (build(), build());
-    let run_a = start(&a, rabbit.source().await);
-    let run_b = start(&b, rabbit.source().await);
-    rabbit.publish(&w.messages).await;
-
-    eventually(Duration::from_secs(20), "every message settled", || async {
-        tally.finals() >= w.messages.len()
-    })
-    .await;
-    let (sa, sb) = (run_a.stop().await, run_b.stop().await);
-    assert!(
-        sa.count(OutcomeKind::Processed) > 0 && sb.count(OutcomeKind::Processed) > 0,
-        "both consumers worked: {sa} / {sb}"
-    );
-    assert_eq!(
-        sa.count(OutcomeKind::Processed) + sb.count(OutcomeKind::Processed),
-        w.expected.len() as u64
-    );
-    ledger.assert_exactly_once(&w.expected).await;
-    assert_dead_lettered(
-        &ledger.dead_letters().await,
-        &w.poison,
-        &DeadLetterReason::PermanentFailure,
-    );
-    assert_eq!(rabbit.dead_letter_queue().await.len(), w.poison.len());
-    assert_eq!(rabbit.ready(rabbit.config.queue_name()).await, 0);
     rabbit.cleanup().await;
     ledger.cleanup().await;
 }

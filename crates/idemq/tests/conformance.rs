@@ -8,28 +8,31 @@
 //! - acks lost after the commit (as if the consumer died between the two),
 //!   redelivered to the next consumer and caught by the inbox;
 //! - a consumer killed while its handlers run, and a new one after it;
-//! - two competing consumers.
+//! - two competing consumers, both doing work, over duplicates and poison;
+//! - the order of each record key's effects, where the broker keeps it.
 //!
-//! Each ends with the ledger holding every effect exactly once. A broker
-//! added to the registry gets these tests by one line in `conformance!` at
-//! the bottom, and its URL template in [`url_for`]; its own test file keeps
-//! only what is specific to it.
+//! Each ends with the ledger holding every effect exactly once. What a
+//! broker promises beyond that (order, delivery counts, no copies of its
+//! own) is one row of [`PROMISES`], and the scenarios assert it where it
+//! holds. A broker added to the registry gets these tests by one line in
+//! `conformance!` at the bottom, its URL template in [`url_for`] and its row
+//! in [`PROMISES`]; its own test file keeps only what is specific to it.
 #![cfg(feature = "postgres")]
 #![allow(dead_code)] // a build without brokers uses none of this
 
 mod support;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idemq::source::registry::{self, Broker};
 use idemq::source::{Publisher, Source};
 use idemq::{DeadLetterReason, Message, OutcomeKind};
 use support::{
-    assert_dead_lettered, eventually, payment, payments, start, workload, Ledger, Plan, Running,
-    SwallowAcks, Tally,
+    assert_dead_lettered, eventually, payment, payments, start, workload, Deliveries, Ledger, Plan,
+    Running, SwallowAcks, Tally,
 };
 
 /// How long a scenario may wait for the brokers (redeliveries after a
@@ -42,7 +45,7 @@ fn url_for(id: &str) -> String {
     let run = support::unique("conf");
     match id {
         "kafka" => format!(
-            "kafka://127.0.0.1:9092/{run}?group={run}&create_partitions=3&session_timeout_ms=6000"
+            "kafka://127.0.0.1:9092/{run}?group={run}&create_partitions=3&session_timeout_ms=6000&heartbeat.interval.ms=500"
         ),
         "amqp" => format!("amqp://guest:guest@127.0.0.1:5672/%2f?queue={run}"),
         "sqs" => format!(
@@ -60,6 +63,138 @@ fn url_for(id: &str) -> String {
     }
 }
 
+/// A fresh URL of broker `id` on which it keeps the order of each record
+/// key, as [`Promises::order`] says.
+fn ordered_url_for(id: &str) -> String {
+    match promises(id).order {
+        // A FIFO queue: the record key is the message group.
+        Order::OnFifoQueues if id == "sqs" => format!(
+            "sqs://{}.fifo?endpoint=http://127.0.0.1:5000&region=us-east-1&create=true&wait=1&visibility=3",
+            support::unique("conf")
+        ),
+        Order::OnFifoQueues => panic!("no FIFO URL for broker {id}: add one to ordered_url_for"),
+        Order::Always | Order::No => url_for(id),
+    }
+}
+
+/// Whether, and where, a broker keeps the order of one record key's
+/// messages (the transport key: a Kafka record key, an SQS message group)
+/// through idemq's source: the next one is handed out only after the one
+/// before it was settled, also when that one failed and waits for its
+/// retry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Order {
+    /// On every topic (Kafka: a record key is one partition, and the source
+    /// hands out a record key's records one at a time).
+    Always,
+    /// On FIFO queues only, the URL of which [`ordered_url_for`] gives.
+    OnFifoQueues,
+    /// Not kept: a retry goes behind later messages (a retry queue, a nak
+    /// delay, a retry topic, a message held by the source), and messages
+    /// of one key run concurrently.
+    No,
+}
+
+/// What a broker promises beyond redelivering what was not acked.
+#[derive(Debug, Clone, Copy)]
+struct Promises {
+    /// Where the effects of one record key keep their publishing order.
+    order: Order,
+    /// A message handed to a consumer that died before settling it comes
+    /// back with a delivery count of 2 or more. (Kafka counts only within
+    /// one process; RocketMQ counts trips through its retry topic, and the
+    /// messages of a consumer killed with its process come back from the
+    /// original queue with the count they had.)
+    counts_redeliveries: bool,
+    /// Every message is delivered once unless a consumer failed to settle
+    /// it: acks are per message, the source keeps a message it holds from
+    /// going to another consumer (SQS: it extends the visibility until the
+    /// settle), and the broker adds no copies of its own. (Kafka and
+    /// RocketMQ move offsets, and a rebalance hands a member's unsettled
+    /// records to another. AWS may, rarely, deliver a standard queue's
+    /// message twice; moto, which these tests run against, does not.)
+    delivers_once: bool,
+    /// A message published again with an id the broker has seen is dropped
+    /// (JetStream's duplicate window, keyed by `Nats-Msg-Id`, which the
+    /// publisher sets): the inbox never sees those copies.
+    drops_republished_ids: bool,
+}
+
+/// One row per broker of the registry.
+const PROMISES: &[(&str, Promises)] = &[
+    (
+        "kafka",
+        Promises {
+            order: Order::Always,
+            counts_redeliveries: false,
+            delivers_once: false,
+            drops_republished_ids: false,
+        },
+    ),
+    (
+        "amqp",
+        Promises {
+            order: Order::No,
+            counts_redeliveries: true,
+            delivers_once: true,
+            drops_republished_ids: false,
+        },
+    ),
+    (
+        "sqs",
+        Promises {
+            order: Order::OnFifoQueues,
+            counts_redeliveries: true,
+            delivers_once: true,
+            drops_republished_ids: false,
+        },
+    ),
+    (
+        "nats",
+        Promises {
+            order: Order::No,
+            counts_redeliveries: true,
+            delivers_once: true,
+            drops_republished_ids: true,
+        },
+    ),
+    (
+        "redis-stream",
+        Promises {
+            order: Order::No,
+            counts_redeliveries: true,
+            delivers_once: true,
+            drops_republished_ids: false,
+        },
+    ),
+    (
+        "mqtt",
+        Promises {
+            order: Order::No,
+            counts_redeliveries: true,
+            delivers_once: true,
+            drops_republished_ids: false,
+        },
+    ),
+    (
+        "rocketmq",
+        Promises {
+            order: Order::No,
+            counts_redeliveries: false,
+            delivers_once: false,
+            drops_republished_ids: false,
+        },
+    ),
+];
+
+fn promises(id: &str) -> Promises {
+    PROMISES
+        .iter()
+        .find(|(broker, _)| *broker == id)
+        .map(|(_, promises)| *promises)
+        .unwrap_or_else(|| panic!("no promises of broker {id}: add a row to PROMISES"))
+}
+
 fn broker(id: &str) -> &'static Broker {
     registry::brokers()
         .find(|b| b.id == id)
@@ -69,21 +204,27 @@ fn broker(id: &str) -> &'static Broker {
 /// One scenario's broker: its URL, its publisher, and sources on demand.
 struct Bench {
     broker: &'static Broker,
+    promises: Promises,
     url: String,
     publisher: Box<dyn Publisher>,
 }
 
 impl Bench {
+    /// A bench on a fresh URL of broker `id` ([`url_for`]).
+    async fn new(id: &str) -> Self {
+        Self::at(id, url_for(id)).await
+    }
+
     /// Opens the publisher first: it creates what the URL asks for (a
     /// Kafka topic, an SQS queue, a NATS stream, a RabbitMQ queue).
-    async fn new(id: &str) -> Self {
+    async fn at(id: &str, url: String) -> Self {
         let broker = broker(id);
-        let url = url_for(id);
         let publisher = (broker.open_publisher)(&url)
             .await
             .unwrap_or_else(|e| panic!("open a {} publisher: {e}", broker.name));
         Self {
             broker,
+            promises: promises(id),
             url,
             publisher,
         }
@@ -119,6 +260,21 @@ impl Bench {
         }
         sources
     }
+
+    /// How many of `messages` reach a consumer: all but the copies the
+    /// broker drops ([`Promises::drops_republished_ids`]).
+    fn delivered(&self, messages: &[Message]) -> usize {
+        if self.promises.drops_republished_ids {
+            messages.len() - same_id_copies(messages)
+        } else {
+            messages.len()
+        }
+    }
+
+    /// How many of the `copies` extra copies of `messages` reach a consumer.
+    fn delivered_copies(&self, messages: &[Message], copies: usize) -> usize {
+        copies - (messages.len() - self.delivered(messages))
+    }
 }
 
 /// Waits until the ledger holds a row of every expected key.
@@ -132,12 +288,6 @@ async fn ledger_complete(ledger: &Ledger, expected: &BTreeMap<String, i64>) {
     .await;
 }
 
-/// Whether the broker itself drops a message published again with an id it
-/// has seen (NATS JetStream: the publisher sets `Nats-Msg-Id`).
-fn drops_republished_ids(id: &str) -> bool {
-    id == "nats"
-}
-
 /// How many messages repeat the id of an earlier one.
 fn same_id_copies(messages: &[Message]) -> usize {
     let mut seen = std::collections::HashSet::new();
@@ -147,22 +297,34 @@ fn same_id_copies(messages: &[Message]) -> usize {
         .count()
 }
 
+/// `messages` with a handler that sleeps `ms` on each.
+fn slowed(messages: &mut [Message], ms: u64) {
+    for m in messages {
+        let mut payload: serde_json::Value = m.json().expect("a JSON payment");
+        payload["sleep_ms"] = ms.into();
+        m.payload = payload.to_string().into_bytes();
+    }
+}
+
 /// Duplicates of both kinds, poison, and a handler that fails once per key
 /// before it succeeds: every payment once, every poison message one dead
-/// letter with its reason.
+/// letter with its reason; where the broker delivers each message once,
+/// one duplicate outcome per copy and nothing more.
 async fn duplicates_poison_and_retries(id: &str) {
+    const FLAKY: usize = 3;
     let ledger = Ledger::new().await;
     let bench = Bench::new(id).await;
     let mut w = workload(24, 2);
-    for i in 0..3 {
+    for i in 0..FLAKY {
         let key = format!("flaky-{i}");
+        let amount = 70 + i as i64;
         w.messages.push(payment(
             &format!("m-flaky-{i}"),
             &key,
-            70 + i,
+            amount,
             serde_json::json!({ "fail": "retry", "fail_times": 1 }),
         ));
-        w.expected.insert(key, 70 + i);
+        w.expected.insert(key, amount);
     }
     let outcomes = Tally::default();
     let consumer = outcomes.build(
@@ -178,14 +340,7 @@ async fn duplicates_poison_and_retries(id: &str) {
         ledger.dead_letters().await.len() >= w.poison.len()
     })
     .await;
-    // A broker that drops a republish of a message id it has seen
-    // (JetStream's duplicate window, keyed by `Nats-Msg-Id`) never delivers
-    // those copies: the inbox sees only the others.
-    let copies = if drops_republished_ids(id) {
-        w.duplicates - same_id_copies(&w.messages)
-    } else {
-        w.duplicates
-    };
+    let copies = bench.delivered_copies(&w.messages, w.duplicates);
     eventually(PATIENCE, "every copy settled", || async {
         outcomes.count(OutcomeKind::Duplicate) >= copies
     })
@@ -198,34 +353,63 @@ async fn duplicates_poison_and_retries(id: &str) {
         &w.poison,
         &DeadLetterReason::PermanentFailure,
     );
+    let name = bench.broker.name;
     assert_eq!(
         summary.count(OutcomeKind::Processed),
         w.expected.len() as u64,
-        "{} processed each key once",
-        bench.broker.name
+        "{name} processed each key once"
     );
+    assert!(
+        summary.count(OutcomeKind::RetryLater) >= FLAKY as u64,
+        "{name}: the flaky handlers failed first: {summary}"
+    );
+    if bench.promises.delivers_once {
+        assert_eq!(
+            summary.count(OutcomeKind::Duplicate),
+            copies as u64,
+            "{name} delivered each copy once: {summary}"
+        );
+        assert_eq!(
+            summary.count(OutcomeKind::DeadLettered),
+            w.poison.len() as u64,
+            "{name} delivered each poison message once: {summary}"
+        );
+    }
     ledger.cleanup().await;
 }
 
-/// Acks lost between the commit and the broker: the next consumer gets
-/// those messages again, and the inbox catches every one.
+/// Acks lost between the commit and the broker: the consumer dies with
+/// them, every message whose ack was lost is delivered again (with a
+/// delivery count of 2 or more where the broker counts), and the inbox
+/// catches every one.
 async fn lost_acks_are_redelivered_and_caught(id: &str) {
     let ledger = Ledger::new().await;
     let bench = Bench::new(id).await;
     let (messages, expected) = payments(30, serde_json::json!({}));
-    // One tally over both consumers: a broker may redeliver an unacked
-    // message to the first one already (after its visibility timeout).
+    // One tally and one delivery log over both consumers: a broker may
+    // redeliver an unacked message to the first one already (after its
+    // visibility timeout).
     let outcomes = Tally::default();
+    let seen = Deliveries::default();
     let consumer = outcomes.build(
         ledger
             .consumer("conformance", Arc::default())
             .concurrency(4),
     );
     let mut sources = bench.sources_with(1, &messages).await;
+    let chosen: Arc<Mutex<BTreeSet<String>>> = Arc::default();
     let mut n = 0_u32;
-    let swallowing = SwallowAcks::new(sources.remove(0), move |_| {
-        n += 1;
-        n % 3 == 1 && n <= 15
+    let swallowing = SwallowAcks::new(seen.wrap(sources.remove(0)), {
+        let chosen = Arc::clone(&chosen);
+        move |d| {
+            n += 1;
+            let swallow = n % 3 == 1 && n <= 15;
+            if swallow {
+                let key = d.message.key.clone().expect("a payment has a key");
+                chosen.lock().unwrap().insert(key);
+            }
+            swallow
+        }
     });
     let swallowed = Arc::clone(&swallowing.swallowed);
     let run = start(&consumer, swallowing);
@@ -239,28 +423,45 @@ async fn lost_acks_are_redelivered_and_caught(id: &str) {
     .await;
     // The consumer dies with the acks it never sent.
     run.kill().await;
+    let chosen = chosen.lock().unwrap().clone();
 
     let consumer = outcomes.build(
         ledger
             .consumer("conformance", Arc::default())
             .concurrency(4),
     );
-    let run = start(&consumer, bench.source(0).await);
+    let run = start(&consumer, seen.wrap(bench.source(0).await));
     ledger_complete(&ledger, &expected).await;
     eventually(
         PATIENCE,
-        "the unacked messages redelivered and caught",
-        || async { outcomes.count(OutcomeKind::Duplicate) >= 5 },
+        "every unacked message delivered again",
+        || async { chosen.iter().all(|key| seen.get(key).0 >= 2) },
     )
     .await;
     run.stop().await;
 
     ledger.assert_exactly_once(&expected).await;
+    let name = bench.broker.name;
+    assert!(
+        outcomes.count(OutcomeKind::Duplicate) >= chosen.len(),
+        "{name}: the redeliveries of {chosen:?} were caught as duplicates"
+    );
+    if bench.promises.counts_redeliveries {
+        for key in &chosen {
+            assert!(
+                seen.get(key).1 >= 2,
+                "{name}: {key} came back without a higher delivery count: {:?}",
+                seen.log()
+            );
+        }
+    }
     ledger.cleanup().await;
 }
 
 /// A consumer killed while handlers run (their transactions roll back, no
-/// ack is sent), then a new consumer: every effect once.
+/// ack is sent), then a new consumer: the messages the dead one had taken
+/// come back (counted as redeliveries where the broker counts), every
+/// effect once, nothing dead-lettered.
 async fn a_consumer_killed_mid_handler_loses_nothing(id: &str) {
     let ledger = Ledger::new().await;
     let bench = Bench::new(id).await;
@@ -271,48 +472,189 @@ async fn a_consumer_killed_mid_handler_loses_nothing(id: &str) {
             .consumer("conformance", Arc::clone(&plan))
             .concurrency(4),
     );
+    let first = Deliveries::default();
     let mut sources = bench.sources_with(1, &messages).await;
-    let run = start(&consumer, sources.remove(0));
+    let run = start(&consumer, first.wrap(sources.remove(0)));
     eventually(PATIENCE, "handlers running", || async {
         plan.calls.load(Ordering::SeqCst) >= 6
     })
     .await;
     run.kill().await;
+    // Let a commit that was under way at the kill land.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let applied: BTreeSet<String> = ledger.rows().await.into_iter().map(|(k, _)| k).collect();
+    let started = plan.calls.load(Ordering::SeqCst) as usize;
+    let name = bench.broker.name;
+    assert!(
+        started > applied.len(),
+        "{name}: no handler was running at the kill ({started} started, {} applied)",
+        applied.len()
+    );
+    let interrupted: BTreeSet<String> = first
+        .log()
+        .into_iter()
+        .map(|s| s.key)
+        .filter(|k| !applied.contains(k))
+        .collect();
 
-    let consumer = Tally::default().build(
+    let tally = Tally::default();
+    let consumer = tally.build(
         ledger
             .consumer("conformance", Arc::default())
             .concurrency(4),
     );
-    let run = start(&consumer, bench.source(0).await);
+    let second = Deliveries::default();
+    let run = start(&consumer, second.wrap(bench.source(0).await));
     ledger_complete(&ledger, &expected).await;
-    run.stop().await;
+    let summary = run.stop().await;
 
     ledger.assert_exactly_once(&expected).await;
+    assert!(
+        ledger.dead_letters().await.is_empty(),
+        "{name}: a killed handler's message was dead-lettered"
+    );
+    assert_eq!(
+        summary.count(OutcomeKind::Processed),
+        (expected.len() - applied.len()) as u64,
+        "{name}: the new consumer applied what the dead one had not: {summary}"
+    );
+    if bench.promises.counts_redeliveries {
+        for key in &interrupted {
+            assert!(
+                second.get(key).1 >= 2,
+                "{name}: {key}, taken by the dead consumer, came back without a higher delivery count: {:?}",
+                second.log()
+            );
+        }
+    }
     ledger.cleanup().await;
 }
 
-/// Two consumers compete for one URL's messages: every effect once.
+/// Two consumers compete for one URL's messages, duplicates of both kinds
+/// and poison among them: both do work, every effect once, every poison
+/// message one dead letter; where the broker delivers each message once,
+/// the two together received each message once.
 async fn competing_consumers_apply_each_once(id: &str) {
     let ledger = Ledger::new().await;
     let bench = Bench::new(id).await;
-    let (messages, expected) = payments(60, serde_json::json!({}));
-    let consumer = Tally::default().build(
+    let mut w = workload(40, 2);
+    // Long enough for one consumer alone (about 3 s at 4 handlers) that the
+    // other one joins before the work is done (a rebalance included).
+    slowed(&mut w.messages, 300);
+    let sources = bench.sources_with(2, &w.messages).await;
+    let logs: Vec<Deliveries> = sources.iter().map(|_| Deliveries::default()).collect();
+    let runs: Vec<Running> = sources
+        .into_iter()
+        .zip(&logs)
+        .map(|(source, log)| {
+            let consumer = Tally::default().build(
+                ledger
+                    .consumer("conformance", Arc::default())
+                    .concurrency(4),
+            );
+            start(&consumer, log.wrap(source))
+        })
+        .collect();
+    ledger_complete(&ledger, &w.expected).await;
+    eventually(PATIENCE, "every poison message dead-lettered", || async {
+        ledger.dead_letters().await.len() >= w.poison.len()
+    })
+    .await;
+    let delivered = bench.delivered(&w.messages);
+    if bench.promises.delivers_once {
+        eventually(PATIENCE, "every message delivered", || async {
+            logs.iter().map(Deliveries::total).sum::<u32>() as usize >= delivered
+        })
+        .await;
+    }
+    let mut summaries = Vec::new();
+    for run in runs {
+        summaries.push(run.stop().await);
+    }
+
+    ledger.assert_exactly_once(&w.expected).await;
+    assert_dead_lettered(
+        &ledger.dead_letters().await,
+        &w.poison,
+        &DeadLetterReason::PermanentFailure,
+    );
+    let name = bench.broker.name;
+    let processed: Vec<u64> = summaries
+        .iter()
+        .map(|s| s.count(OutcomeKind::Processed))
+        .collect();
+    assert!(
+        processed.iter().all(|n| *n > 0),
+        "{name}: both consumers applied effects: {processed:?}"
+    );
+    if bench.promises.delivers_once {
+        let per_consumer: Vec<u32> = logs.iter().map(Deliveries::total).collect();
+        assert_eq!(
+            per_consumer.iter().sum::<u32>() as usize,
+            delivered,
+            "{name}: each message went to one consumer, once: {per_consumer:?}"
+        );
+    }
+    ledger.cleanup().await;
+}
+
+/// Record keys × messages, each message with a business key of its own and
+/// the third of each record key failing its first attempt: every effect
+/// once, and where the broker keeps order ([`Promises::order`], on
+/// [`ordered_url_for`]) each record key's effects in publishing order, the
+/// retried one in its place.
+async fn each_record_keys_order_where_the_broker_keeps_it(id: &str) {
+    const KEYS: usize = 4;
+    const SEQ: usize = 8;
+    let ledger = Ledger::new().await;
+    let bench = Bench::at(id, ordered_url_for(id)).await;
+    let mut messages = Vec::new();
+    let mut expected = BTreeMap::new();
+    for seq in 0..SEQ {
+        for k in 0..KEYS {
+            let event = format!("a{k}-{seq}");
+            let extra = if seq == 2 {
+                serde_json::json!({ "fail": "retry", "fail_times": 1 })
+            } else {
+                serde_json::json!({})
+            };
+            let amount = seq as i64 + 1;
+            let mut m = payment(&format!("m-{event}"), &event, amount, extra);
+            m.key = Some(format!("account-{k}"));
+            messages.push(m);
+            expected.insert(event, amount);
+        }
+    }
+    let outcomes = Tally::default();
+    let consumer = outcomes.build(
         ledger
             .consumer("conformance", Arc::default())
             .concurrency(4),
     );
-    let sources = bench.sources_with(2, &messages).await;
-    let runs: Vec<Running> = sources
-        .into_iter()
-        .map(|source| start(&consumer, source))
-        .collect();
+    let mut sources = bench.sources_with(1, &messages).await;
+    let run = start(&consumer, sources.remove(0));
     ledger_complete(&ledger, &expected).await;
-    for run in runs {
-        run.stop().await;
-    }
+    let summary = run.stop().await;
 
     ledger.assert_exactly_once(&expected).await;
+    let name = bench.broker.name;
+    assert!(
+        summary.count(OutcomeKind::RetryLater) >= KEYS as u64,
+        "{name}: the third message of each record key failed first: {summary}"
+    );
+    if bench.promises.order != Order::No {
+        let applied = ledger.keys_in_order().await;
+        for k in 0..KEYS {
+            let prefix = format!("a{k}-");
+            let of_key: Vec<&str> = applied
+                .iter()
+                .filter(|e| e.starts_with(&prefix))
+                .map(String::as_str)
+                .collect();
+            let want: Vec<String> = (0..SEQ).map(|seq| format!("a{k}-{seq}")).collect();
+            assert_eq!(of_key, want, "{name}: the order of record key account-{k}");
+        }
+    }
     ledger.cleanup().await;
 }
 
@@ -340,6 +682,11 @@ macro_rules! conformance {
             async fn competing_consumers_apply_each_once() {
                 super::competing_consumers_apply_each_once($id).await;
             }
+
+            #[tokio::test]
+            async fn each_record_keys_order_where_the_broker_keeps_it() {
+                super::each_record_keys_order_where_the_broker_keeps_it($id).await;
+            }
         }
     )*};
 }
@@ -355,13 +702,15 @@ conformance! {
 }
 
 #[test]
-fn every_registered_broker_has_a_test_url() {
+fn every_registered_broker_has_test_urls_and_promises() {
     for broker in registry::brokers() {
-        let url = url_for(broker.id);
-        assert_eq!(
-            registry::lookup(&url).ok().flatten().map(|b| b.id),
-            Some(broker.id)
-        );
-        (broker.check)(&url).unwrap_or_else(|e| panic!("{url}: {e}"));
+        promises(broker.id);
+        for url in [url_for(broker.id), ordered_url_for(broker.id)] {
+            assert_eq!(
+                registry::lookup(&url).ok().flatten().map(|b| b.id),
+                Some(broker.id)
+            );
+            (broker.check)(&url).unwrap_or_else(|e| panic!("{url}: {e}"));
+        }
     }
 }

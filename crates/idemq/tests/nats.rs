@@ -1,9 +1,12 @@
 //! The NATS JetStream source against a real nats-server with JetStream
 //! (127.0.0.1:4222 by default, `IDEMQ_TEST_NATS` to change) and the
-//! PostgreSQL ledger of `tests/support`: duplicates of both kinds and
-//! poison, a lost ack after the commit, a crash inside the handler, nak
-//! delays and retries ending in the dead-letter subject, competing clients
-//! on one durable consumer, and a handler slower than `ack_wait`.
+//! PostgreSQL ledger of `tests/support`, in what is JetStream's own: the
+//! duplicate window (same-id copies published outside it reach the inbox,
+//! alone and with competing clients; inside it the server drops them),
+//! poison on the dead-letter subject, a lost ack redelivered after
+//! `ack_wait`, nak delays, a handler slower than `ack_wait`, and refused
+//! headers and streams. A consumer killed mid-handler is in
+//! `conformance.rs`.
 #![cfg(all(feature = "nats", feature = "postgres"))]
 
 mod support;
@@ -188,49 +191,6 @@ async fn an_ack_lost_after_the_commit_ends_as_a_duplicate() {
     assert_eq!(deliveries.get("p-1"), (1, 2), "one redelivery, delivered 2");
     assert_eq!(deliveries.total(), 1, "p-0 and p-2 were acked");
     ledger.assert_exactly_once(&expected).await;
-    delete_streams(&config).await;
-    ledger.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_consumer_killed_before_the_commit_applies_once_after_restart() {
-    let ledger = Ledger::new().await;
-    let config = config(&support::unique("kill"));
-    publish(
-        &config,
-        &[payment(
-            "m-0",
-            "p-0",
-            7,
-            serde_json::json!({ "sleep_ms": 1500 }),
-        )],
-    )
-    .await;
-
-    let plan = Arc::new(Plan::default());
-    let consumer = ledger
-        .consumer("billing", Arc::clone(&plan))
-        .build()
-        .unwrap();
-    let source = NatsSource::connect(config.clone()).await.unwrap();
-    support::kill_inside_handler(&consumer, source, &plan, Duration::from_millis(300)).await;
-    assert!(ledger.rows().await.is_empty());
-
-    let tally = Tally::default();
-    let consumer = tally.build(ledger.consumer("billing", Arc::clone(&plan)));
-    let deliveries = Deliveries::default();
-    let source = deliveries.wrap(NatsSource::connect(config.clone()).await.unwrap());
-    run_until_settled(&consumer, source, &tally, 1, Duration::from_secs(15)).await;
-    assert_eq!(tally.count(OutcomeKind::Processed), 1);
-    assert_eq!(plan.calls.load(Ordering::SeqCst), 2);
-    assert_eq!(
-        deliveries.get("p-0"),
-        (1, 2),
-        "the redelivery, with delivered 2"
-    );
-    ledger
-        .assert_exactly_once(&BTreeMap::from([("p-0".to_owned(), 7)]))
-        .await;
     delete_streams(&config).await;
     ledger.cleanup().await;
 }

@@ -1,8 +1,10 @@
 //! The RocketMQ source against a real name server and broker (127.0.0.1:9876
-//! and :10911, started by `scripts/rocketmq.sh`) with the PostgreSQL ledger:
-//! duplicates of both kinds, poison, a crash between the inbox commit and the
-//! consume status, a crash inside the handler, retries through the broker's
-//! retry topic, the retry limit, and two competing consumers in one group.
+//! and :10911, started by `scripts/rocketmq.sh`) with the PostgreSQL ledger,
+//! in what is RocketMQ's own: poison on the dead-letter topic with its
+//! reason property and the original keys, and retries through the broker's
+//! retry topic with `reconsume_times` as the delivery count. A crash between
+//! the inbox commit and the consume status, a crash inside the handler and
+//! two competing consumers in one group are in `conformance.rs`.
 //!
 //! RocketMQ redelivers a `ReconsumeLater` message about 10 s later, so the
 //! tests that need a redelivery take that long.
@@ -11,7 +13,7 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -61,18 +63,6 @@ impl Seen {
             .copied()
             .unwrap_or(0)
     }
-}
-
-/// Waits until `check` holds, up to `limit`; whether it held.
-async fn wait_until(limit: Duration, check: impl Fn() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + limit;
-    while tokio::time::Instant::now() < deadline {
-        if check() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    check()
 }
 
 /// Runs `consumer` over `source` until the ledger holds every expected key
@@ -205,138 +195,6 @@ async fn duplicates_and_poison() {
     ledger.cleanup().await;
 }
 
-/// The consumer "dies" after the inbox commit and before the consume status
-/// reaches the client (the settlement is swallowed), then shuts down. A new
-/// consumer in the group gets those messages again, and the inbox answers
-/// "duplicate": every effect happens once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn crash_after_commit_before_success() {
-    const CRASHED: u32 = 3;
-    let ledger = Ledger::new().await;
-    let topic = support::unique("idemq");
-    let group = support::unique("g");
-    let work = support::workload(8, 0);
-    publish(&topic, &work.messages).await;
-    let plan = Arc::new(Plan::default());
-
-    let first = ledger
-        .consumer("rocketmq-crash", Arc::clone(&plan))
-        .build()
-        .unwrap();
-    // Three listener calls at once, all swallowed: the consumer is stuck.
-    let wrapped = support::SwallowAcks::new(
-        source(config(&topic, &group).consume_threads(CRASHED)).await,
-        |_| true,
-    );
-    let swallowed = Arc::clone(&wrapped.swallowed);
-    let summary = first
-        .run_until(wrapped, async {
-            wait_until(Duration::from_secs(30), || {
-                swallowed.load(Ordering::SeqCst) >= CRASHED
-            })
-            .await;
-            tokio::time::sleep(Duration::from_millis(300)).await;
-        })
-        .await
-        .unwrap();
-    eprintln!("summary: {summary}");
-    let crashed = swallowed.load(Ordering::SeqCst);
-    assert_eq!(crashed, CRASHED, "{summary}");
-    let committed = summary.count(OutcomeKind::Processed);
-    assert!(committed >= 1, "{summary}");
-    assert_eq!(ledger.rows().await.len() as u64, committed);
-
-    let seen = Seen::default();
-    let second = ledger
-        .consumer("rocketmq-crash", Arc::clone(&plan))
-        .on_outcome(seen.hook())
-        .build()
-        .unwrap();
-    let summary = run_until_done(
-        &second,
-        source(config(&topic, &group)).await,
-        &ledger,
-        &work.expected,
-        Duration::from_secs(60),
-        || seen.get(OutcomeKind::Duplicate) >= work.duplicates + committed as usize,
-    )
-    .await;
-    eprintln!("summary: {summary}");
-    ledger.assert_exactly_once(&work.expected).await;
-    assert_eq!(
-        summary.count(OutcomeKind::Processed),
-        work.expected.len() as u64 - committed,
-        "{summary}"
-    );
-    assert!(
-        summary.count(OutcomeKind::Duplicate) >= work.duplicates as u64 + committed,
-        "the messages whose success was swallowed come back as duplicates: {summary}"
-    );
-    ledger.cleanup().await;
-}
-
-/// The consumer is killed inside its handlers, before the inbox commit: the
-/// transactions roll back, the broker redelivers after the restart, and
-/// every effect happens once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn crash_inside_the_handler() {
-    let ledger = Ledger::new().await;
-    let topic = support::unique("idemq");
-    let group = support::unique("g");
-    let mut messages = Vec::new();
-    let mut expected = BTreeMap::new();
-    for i in 0..6 {
-        messages.push(payment(
-            &format!("m-{i}"),
-            &format!("p-{i}"),
-            i + 1,
-            serde_json::json!({ "sleep_ms": 1500 }),
-        ));
-        expected.insert(format!("p-{i}"), i + 1);
-    }
-    publish(&topic, &messages).await;
-    let plan = Arc::new(Plan::default());
-    let consumer = ledger
-        .consumer("rocketmq-kill", Arc::clone(&plan))
-        .build()
-        .unwrap();
-    let first = source(config(&topic, &group)).await;
-    let run = tokio::spawn({
-        let consumer = consumer.clone();
-        async move { consumer.run(first).await }
-    });
-    assert!(
-        wait_until(Duration::from_secs(30), || plan
-            .calls
-            .load(Ordering::SeqCst)
-            >= 3)
-        .await,
-        "the handlers did not start"
-    );
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    run.abort(); // the handlers are still sleeping: killed before their commits
-    assert!(run.await.unwrap_err().is_cancelled());
-    assert!(
-        ledger.rows().await.is_empty(),
-        "a killed handler's effect must not be visible"
-    );
-
-    let summary = run_until_done(
-        &consumer,
-        source(config(&topic, &group)).await,
-        &ledger,
-        &expected,
-        Duration::from_secs(60),
-        || true,
-    )
-    .await;
-    eprintln!("summary: {summary}");
-    ledger.assert_exactly_once(&expected).await;
-    assert!(summary.count(OutcomeKind::Processed) >= 1, "{summary}");
-    assert_eq!(summary.count(OutcomeKind::DeadLettered), 0);
-    ledger.cleanup().await;
-}
-
 /// A handler that fails once is retried through the broker's retry topic
 /// (`ReconsumeLater`) and applied once; one that always fails is
 /// dead-lettered when the engine's attempt limit is reached, with the
@@ -441,84 +299,4 @@ impl<S: Source> Source for Recording<S> {
         }
         Ok(delivery)
     }
-}
-
-/// Two members of one group share the topic's queues: every message is
-/// applied exactly once and both members get work.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn competing_consumers() {
-    let ledger = Ledger::new().await;
-    let topic = support::unique("idemq");
-    let group = support::unique("g");
-    let mut messages = Vec::new();
-    let mut expected = BTreeMap::new();
-    for i in 0..32 {
-        let m = payment(
-            &format!("m-{i}"),
-            &format!("p-{i}"),
-            i + 1,
-            serde_json::json!({ "sleep_ms": 250 }),
-        );
-        messages.push(m.clone());
-        if i % 4 == 0 {
-            messages.push(m); // sent again with the same producer id
-        }
-        expected.insert(format!("p-{i}"), i + 1);
-    }
-    publish(&topic, &messages).await;
-    let plan = Arc::new(Plan::default());
-    let settled = Arc::new(AtomicUsize::new(0));
-    let build = |n: Arc<AtomicU32>| {
-        let settled = Arc::clone(&settled);
-        ledger
-            .consumer("rocketmq-group", Arc::clone(&plan))
-            .on_outcome(move |_| {
-                n.fetch_add(1, Ordering::SeqCst);
-                settled.fetch_add(1, Ordering::SeqCst);
-            })
-            .build()
-            .unwrap()
-    };
-    let (na, nb) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
-    let (a, b) = (build(Arc::clone(&na)), build(Arc::clone(&nb)));
-    let (sa, sb) = tokio::join!(
-        source(config(&topic, &group).consume_threads(2)),
-        source(config(&topic, &group).consume_threads(2)),
-    );
-    let stop = Arc::new(tokio::sync::Notify::new());
-    let run_a = tokio::spawn({
-        let stop = Arc::clone(&stop);
-        async move { a.run_until(sa, stop.notified_owned()).await.unwrap() }
-    });
-    let run_b = tokio::spawn({
-        let stop = Arc::clone(&stop);
-        async move { b.run_until(sb, stop.notified_owned()).await.unwrap() }
-    });
-    let total = messages.len();
-    let done = wait_until(Duration::from_secs(90), || {
-        settled.load(Ordering::SeqCst) >= total
-    })
-    .await;
-    let rows = ledger
-        .wait_for(Duration::from_secs(30), |rows| rows.len() >= expected.len())
-        .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    stop.notify_waiters();
-    let (sa, sb) = (run_a.await.unwrap(), run_b.await.unwrap());
-    eprintln!("member a: {sa}; member b: {sb}");
-    assert!(
-        done,
-        "not every message was settled: {sa} / {sb} ({} rows)",
-        rows.len()
-    );
-    ledger.assert_exactly_once(&expected).await;
-    assert_eq!(
-        sa.count(OutcomeKind::Processed) + sb.count(OutcomeKind::Processed),
-        expected.len() as u64
-    );
-    assert!(
-        na.load(Ordering::SeqCst) > 0 && nb.load(Ordering::SeqCst) > 0,
-        "both members must get work: {sa} / {sb}"
-    );
-    ledger.cleanup().await;
 }

@@ -1,6 +1,12 @@
 //! The SQS source against a real SQS endpoint (moto's server on
 //! 127.0.0.1:5000 by default, `IDEMQ_TEST_SQS` to change; `scripts/sqs.sh`
-//! starts it) with the PostgreSQL ledger of `tests/support`.
+//! starts it) with the PostgreSQL ledger of `tests/support`, in what is
+//! SQS's own: poison in the dead-letter queue with its reason attribute, a
+//! lost delete redelivered after the visibility timeout, retries through a
+//! visibility change, a handler slower than the visibility timeout, the
+//! order and concurrency of FIFO message groups, and the attribute limit. A
+//! consumer killed mid-handler and competing consumers are in
+//! `conformance.rs`.
 #![cfg(all(feature = "sqs", feature = "postgres"))]
 
 mod support;
@@ -123,48 +129,6 @@ async fn a_delete_lost_after_the_commit_ends_as_a_duplicate() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_consumer_killed_before_the_commit_applies_once_after_restart() {
-    let ledger = Ledger::new().await;
-    let config = config(&support::unique("kill"));
-    publish(
-        &config,
-        &[payment(
-            "m-0",
-            "p-0",
-            7,
-            serde_json::json!({ "sleep_ms": 1500 }),
-        )],
-    )
-    .await;
-
-    let plan = Arc::new(Plan::default());
-    let consumer = ledger
-        .consumer("billing", Arc::clone(&plan))
-        .build()
-        .unwrap();
-    let source = SqsSource::connect(config.clone()).await.unwrap();
-    support::kill_inside_handler(&consumer, source, &plan, Duration::from_millis(300)).await;
-    assert!(ledger.rows().await.is_empty());
-
-    let tally = Tally::default();
-    let consumer = tally.build(ledger.consumer("billing", Arc::clone(&plan)));
-    let deliveries = Deliveries::default();
-    let source = deliveries.wrap(SqsSource::connect(config).await.unwrap());
-    run_until_settled(&consumer, source, &tally, 1, Duration::from_secs(20)).await;
-    assert_eq!(tally.count(OutcomeKind::Processed), 1);
-    assert_eq!(plan.calls.load(Ordering::SeqCst), 2);
-    assert_eq!(
-        deliveries.get("p-0").1,
-        2,
-        "ApproximateReceiveCount of the redelivery"
-    );
-    ledger
-        .assert_exactly_once(&BTreeMap::from([("p-0".to_owned(), 7)]))
-        .await;
-    ledger.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn retries_wait_for_the_visibility_change_and_end_in_the_dead_letter_queue() {
     let ledger = Ledger::new().await;
     let dlq = support::unique("retry_dead");
@@ -207,38 +171,6 @@ async fn retries_wait_for_the_visibility_change_and_end_in_the_dead_letter_queue
         copies[0].headers.get(REASON_ATTRIBUTE),
         Some(&b"retries_exhausted"[..])
     );
-    ledger.cleanup().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn competing_consumers_apply_every_message_once() {
-    let ledger = Ledger::new().await;
-    let mut config = config(&support::unique("compete"));
-    config.batch = 3; // small batches, so that both consumers get work
-    let w = workload(30, 0);
-    publish(&config, &w.messages).await;
-
-    let tally = Tally::default();
-    let deliveries = [Deliveries::default(), Deliveries::default()];
-    let plan = Arc::new(Plan::default());
-    let mut runs = Vec::new();
-    for seen in &deliveries {
-        let consumer = tally.build(ledger.consumer("billing", Arc::clone(&plan)).concurrency(3));
-        runs.push((
-            consumer,
-            seen.wrap(SqsSource::connect(config.clone()).await.unwrap()),
-        ));
-    }
-    let total = w.messages.len();
-    support::run_all_until_settled(runs, &tally, total, Duration::from_secs(40)).await;
-    ledger.assert_exactly_once(&w.expected).await;
-    tally.assert_workload(&w);
-    let per_consumer: Vec<u32> = deliveries.iter().map(Deliveries::total).collect();
-    assert!(
-        per_consumer.iter().sum::<u32>() >= total as u32,
-        "deliveries {per_consumer:?} for {total} messages"
-    );
-    println!("deliveries per consumer: {per_consumer:?}");
     ledger.cleanup().await;
 }
 

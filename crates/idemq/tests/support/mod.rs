@@ -4,8 +4,8 @@
 //! poison, a source wrapper that "crashes" after the commit and before the
 //! ack, and the exactly-once check; for the broker tests also an outcome
 //! recorder ([`Tally`]), a delivery recorder ([`Deliveries`]), runners that
-//! stop a consumer once enough outcomes are in, a consumer killed inside its
-//! handler, publishing, and the checks of dead-letter copies.
+//! stop a consumer once enough outcomes are in or when told (and one to
+//! kill), publishing, and the checks of dead-letter copies.
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap};
@@ -87,8 +87,9 @@ impl Plan {
 }
 
 /// A migrated PostgreSQL store with unique tables and a ledger table
-/// `{prefix}ledger (msg_key, amount)` without a unique constraint, so a
-/// double effect shows as two rows.
+/// `{prefix}ledger (seq, msg_key, amount)` without a unique constraint, so a
+/// double effect shows as two rows; `seq` numbers the rows in the order they
+/// were written.
 pub struct Ledger {
     /// The store (cheap to clone).
     pub store: PostgresStore,
@@ -108,7 +109,7 @@ impl Ledger {
         store.migrate().await.expect("migrate");
         let ledger = format!("{prefix}ledger");
         sqlx::query(&format!(
-            "CREATE TABLE {ledger} (msg_key TEXT NOT NULL, amount BIGINT NOT NULL)"
+            "CREATE TABLE {ledger} (seq BIGSERIAL, msg_key TEXT NOT NULL, amount BIGINT NOT NULL)"
         ))
         .execute(store.pool())
         .await
@@ -156,6 +157,15 @@ impl Ledger {
         .fetch_all(self.store.pool())
         .await
         .expect("read ledger")
+    }
+
+    /// The keys of the ledger rows in the order they were written (a rolled
+    /// back attempt leaves no row; its retry is written when it commits).
+    pub async fn keys_in_order(&self) -> Vec<String> {
+        sqlx::query_scalar(&format!("SELECT msg_key FROM {} ORDER BY seq", self.ledger))
+            .fetch_all(self.store.pool())
+            .await
+            .expect("read ledger")
     }
 
     /// Every expected key has exactly one ledger row with its amount, and no
@@ -716,33 +726,6 @@ pub async fn run_all_until_settled<S: Source + 'static>(
         summaries.push(task.await.unwrap());
     }
     summaries
-}
-
-/// Runs `consumer` over `source` in a task, waits until `plan`'s handler was
-/// called (panics after 30 s) and `grace` more, then kills the task: the
-/// consumer dies inside the handler, before the commit, and its source and
-/// connection go without settling anything.
-pub async fn kill_inside_handler(
-    consumer: &Consumer<PostgresStore>,
-    source: impl Source + 'static,
-    plan: &Plan,
-    grace: Duration,
-) {
-    let run = tokio::spawn({
-        let consumer = consumer.clone();
-        async move { consumer.run(source).await }
-    });
-    assert!(
-        wait_until(Duration::from_secs(30), || plan
-            .calls
-            .load(Ordering::SeqCst)
-            > 0)
-        .await,
-        "the handler was never called"
-    );
-    tokio::time::sleep(grace).await;
-    run.abort();
-    assert!(run.await.unwrap_err().is_cancelled());
 }
 
 /// Takes `n` messages from `source` (each within 10 s) and acks them: for
