@@ -38,7 +38,13 @@ type PubAckResult = Result<(), String>;
 struct Waiters {
     next: Mutex<Option<oneshot::Sender<PubAckResult>>>,
     by_pkid: Mutex<HashMap<u16, oneshot::Sender<PubAckResult>>>,
+    /// Told once the event loop wrote a `DISCONNECT` and ended.
+    disconnected: tokio::sync::Notify,
 }
+
+/// How long the event loop keeps going after it wrote a `DISCONNECT`, for
+/// the connection to close.
+const DISCONNECT_FLUSH: Duration = Duration::from_secs(2);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -50,6 +56,22 @@ pub(super) struct Link {
     waiters: Arc<Waiters>,
     publishing: tokio::sync::Mutex<()>,
     pub(super) driver: JoinHandle<()>,
+}
+
+impl Link {
+    /// Sends `DISCONNECT` after every request queued before it (`PUBACK`s
+    /// of settled deliveries among them) and waits, at most `limit`, until
+    /// the event loop wrote it. The session stays (its expiry is not
+    /// changed): what was not acknowledged comes back at the next connect.
+    pub(super) async fn disconnect(&self, limit: Duration) -> Result<(), SourceError> {
+        self.client
+            .disconnect()
+            .await
+            .map_err(|e| broker_error("DISCONNECT", e))?;
+        tokio::time::timeout(limit, self.waiters.disconnected.notified())
+            .await
+            .map_err(|_| broker_error("DISCONNECT", format!("not written within {limit:?}")))
+    }
 }
 
 impl Drop for Link {
@@ -232,6 +254,16 @@ async fn drive(
                     };
                     let _ = tx.send(result);
                 }
+            }
+            Event::Outgoing(Outgoing::Disconnect) => {
+                // Let the connection close, so that the DISCONNECT and
+                // everything queued before it are on the wire.
+                let _ = tokio::time::timeout(DISCONNECT_FLUSH, async {
+                    while eventloop.poll().await.is_ok() {}
+                })
+                .await;
+                waiters.disconnected.notify_one();
+                return;
             }
             Event::Incoming(Packet::Disconnect(d)) => {
                 tracing::warn!(reason = ?d.reason_code, "the MQTT broker disconnected");

@@ -98,8 +98,22 @@ impl Drop for MqttSource {
     }
 }
 
+/// How long [`Source::close`] waits for the `DISCONNECT` to be written.
+const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 #[async_trait]
 impl Source for MqttSource {
+    /// Writes the `PUBACK`s of every settled delivery, then `DISCONNECT`
+    /// (the session stays: what was not acknowledged comes back at the next
+    /// connect). Without it, dropping the source could cut the connection
+    /// before queued `PUBACK`s were sent, and the broker would resend
+    /// messages that were settled (duplicates the inbox catches, but work).
+    async fn close(&mut self) {
+        if let Err(e) = self.shared.link.disconnect(CLOSE_TIMEOUT).await {
+            tracing::warn!(client_id = %self.client_id, error = %e, "closing the MQTT source");
+        }
+    }
+
     /// The next delivery; never `None` (a subscription does not end). Cancel-safe.
     async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
         match self.deliveries.recv().await {
