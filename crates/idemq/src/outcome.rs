@@ -169,6 +169,13 @@ impl Summary {
         self.counts.get(&kind).copied().unwrap_or(0)
     }
 
+    /// Adds every count of `other`.
+    pub fn merge(&mut self, other: &Summary) {
+        for (kind, n) in &other.counts {
+            *self.counts.entry(*kind).or_default() += n;
+        }
+    }
+
     /// All deliveries handled.
     pub fn total(&self) -> u64 {
         self.counts.values().sum()

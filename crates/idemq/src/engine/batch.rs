@@ -3,8 +3,7 @@
 //! Per batch, with a [`BatchStore`] (the SQL stores):
 //! 1. every message's key and fingerprint are derived (bad input is
 //!    dead-lettered on its own, as in per-message mode);
-//! 2. all keys are claimed in **one statement** in a new transaction; copies
-//!    of one key inside the batch are claimed once (the first copy leads);
+//! 2. all keys are claimed in **one statement** in a new transaction;
 //! 3. the new keys' handlers run in that transaction. If one fails, the
 //!    transaction is rolled back and the batch runs again with each handler
 //!    inside its own **savepoint**: a failing message is rolled back to it
@@ -14,34 +13,40 @@
 //! 5. only then are the deliveries settled: processed and duplicates acked,
 //!    failures counted (outside the transaction) and nacked or dead-lettered.
 //!
-//! A copy of a key that another message in the same batch leads is answered
-//! after the commit: a duplicate (or a conflict) when the leader was
-//! processed, retried later otherwise. If the commit fails, nothing of the
-//! batch is acked: every message is retried and the inbox sorts out what did
-//! commit. A crash anywhere leaves the whole batch committed or none of it.
+//! Copies of one key keep their order across batches: the run loop holds a
+//! later copy in its key lane until the earlier one's outcome is decided,
+//! so the later copy runs in a later batch and the inbox answers it (a
+//! duplicate or a conflict), or it is deferred while the earlier copy waits
+//! for its retry. Copies inside one batch handed to
+//! [`Consumer::process_batch`] directly are claimed once: the first copy
+//! leads, the later ones get its answer after the commit (retried later if
+//! it did not commit). If the commit fails, nothing of the batch is acked:
+//! every message is retried and the inbox sorts out what did commit. A
+//! crash anywhere leaves the whole batch committed or none of it.
 //!
 //! Up to [`concurrency`](super::ConsumerBuilder::concurrency) batches are in
 //! flight at once, each in its own transaction.
 //!
 //! Batching trades latency for throughput: one commit (one fsync) per batch
-//! instead of per message. Sources that hold back a partition's next message
-//! until the previous one is settled (Kafka, SQS FIFO groups) fill a batch
-//! with at most one message per partition or group.
+//! instead of per message. A partitioned source (Kafka) may hand out as
+//! many records of a partition as the loop reads ahead
+//! ([`Source::settle_out_of_order`]), so a batch fills from one partition
+//! as well; SQS FIFO groups still hand out one message per group at a time.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 
-use super::consumer::Consumer;
+use super::consumer::{Consumer, Identity};
+use super::pipeline::Member;
+use super::run::{Direct, Runner, Units};
 use super::unit::leases::LeaseBatch;
 use super::unit::savepoints::SqlBatch;
 use super::unit::Mode;
-use crate::error::SourceError;
-use crate::outcome::{Outcome, OutcomeKind, Summary};
+use crate::error::{InputError, SourceError};
+use crate::message::DeliveryMeta;
+use crate::outcome::{Outcome, Summary};
 use crate::source::{Delivery, Source};
 use crate::store::{BatchStore, LeaseBatchStore, Store};
 
@@ -65,44 +70,61 @@ impl Default for BatchOptions {
     }
 }
 
-fn count(summary: &mut Summary, done: Result<Vec<OutcomeKind>, tokio::task::JoinError>) {
-    match done {
-        Ok(kinds) => kinds.into_iter().for_each(|k| summary.record(k)),
-        // The batch's deliveries were dropped unsettled: the source redelivers them.
-        Err(e) => tracing::error!(error = %e, "a batch task failed"),
-    }
-}
-
 /// Stores a consumer can run in batch mode ([`Consumer::run_batched`]):
 /// every [`BatchStore`] (a batch shares one transaction, as above) and the
 /// Redis lease store (a batch's claims and its completions take one round
-/// trip each; see [`LeaseBatchStore`]).
+/// trip each; see [`LeaseBatchStore`]). The engine implements it for the
+/// stores that have a batch unit.
 pub trait BatchMode: Store + Sized {
-    /// Processes one polled batch and settles each delivery; returns the
-    /// outcomes in order.
-    fn run_batch(
-        consumer: &Consumer<Self>,
-        deliveries: Vec<Delivery>,
-    ) -> BoxFuture<'_, Vec<Outcome>>;
+    /// Takes one batch through the pipeline and settles each delivery;
+    /// returns the outcomes in order.
+    #[doc(hidden)]
+    fn process_unit(consumer: &Consumer<Self>, unit: BatchUnit) -> BoxFuture<'_, Vec<Outcome>>;
 }
 
+/// One batch on its way through the pipeline: its deliveries, identified
+/// and ordered in their key lanes. Made by the run loop.
+#[doc(hidden)]
+pub struct BatchUnit(pub(crate) Vec<(Member, Identity)>);
+
 impl<S: BatchStore> BatchMode for S {
-    fn run_batch(
-        consumer: &Consumer<Self>,
-        deliveries: Vec<Delivery>,
-    ) -> BoxFuture<'_, Vec<Outcome>> {
-        Box::pin(consumer.process_batch(deliveries))
+    fn process_unit(consumer: &Consumer<Self>, unit: BatchUnit) -> BoxFuture<'_, Vec<Outcome>> {
+        Box::pin(consumer.process_unit(&SqlBatch, unit.0))
     }
 }
 
 /// The Redis store runs batches through the lease unit.
 #[cfg(feature = "redis")]
 impl BatchMode for crate::store::redis::RedisStore {
-    fn run_batch(
-        consumer: &Consumer<Self>,
-        deliveries: Vec<Delivery>,
-    ) -> BoxFuture<'_, Vec<Outcome>> {
-        Box::pin(consumer.process_lease_batch(deliveries))
+    fn process_unit(consumer: &Consumer<Self>, unit: BatchUnit) -> BoxFuture<'_, Vec<Outcome>> {
+        Box::pin(consumer.process_unit(&LeaseBatch, unit.0))
+    }
+}
+
+/// The run loop's view of batch mode: batches of a [`BatchMode`] store.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Batched;
+
+impl<S: BatchMode> Runner<S> for Batched {
+    fn out_of_order(&self) -> bool {
+        true
+    }
+
+    fn claim_identity(
+        &self,
+        _meta: &DeliveryMeta,
+        identity: &Identity,
+        _defect: Option<&InputError>,
+    ) -> Identity {
+        identity.clone()
+    }
+
+    fn process<'a>(
+        &'a self,
+        consumer: &'a Consumer<S>,
+        members: Vec<(Member, Identity)>,
+    ) -> BoxFuture<'a, Vec<Outcome>> {
+        S::process_unit(consumer, BatchUnit(members))
     }
 }
 
@@ -126,14 +148,14 @@ impl<S: LeaseBatchStore> Consumer<S> {
 
 impl<S: Store> Consumer<S> {
     /// A polled batch as one unit of `mode`, each delivery identified here.
-    async fn process_polled<M: Mode<S>>(
+    async fn process_polled<M: Mode<S> + Clone + 'static>(
         &self,
         mode: &M,
         deliveries: Vec<Delivery>,
     ) -> Vec<Outcome> {
         let members = deliveries
             .into_iter()
-            .map(|delivery| self.member_of(mode, delivery))
+            .map(|delivery| self.member_of(&Direct(mode.clone()), delivery))
             .collect();
         self.process_unit(mode, members).await
     }
@@ -180,66 +202,14 @@ impl<S: BatchMode> Consumer<S> {
     /// deliveries when `shutdown` completes, runs the batch in hand, and returns.
     pub async fn run_batched_until(
         &self,
-        mut source: impl Source,
+        source: impl Source,
         options: BatchOptions,
         shutdown: impl Future<Output = ()>,
     ) -> Result<Summary, SourceError> {
-        let max_size = options.max_size.max(1);
-        let mut summary = Summary::default();
-        tokio::pin!(shutdown);
-        let mut stopping = false;
-        let mut failure = None;
-        // Up to `concurrency` batches are in flight, each on its own connection.
-        let permits = Arc::new(Semaphore::new(self.inner.concurrency));
-        let mut running: JoinSet<Vec<OutcomeKind>> = JoinSet::new();
-        while !stopping {
-            while let Some(done) = running.try_join_next() {
-                count(&mut summary, done);
-            }
-            let permit = tokio::select! {
-                permit = Arc::clone(&permits).acquire_owned() => match permit {
-                    Ok(p) => p,
-                    Err(_) => break,
-                },
-                _ = &mut shutdown => break,
-            };
-            let mut batch = Vec::with_capacity(max_size);
-            // The first message: wait as long as it takes.
-            tokio::select! {
-                next = source.next() => match next {
-                    Ok(Some(d)) => batch.push(d),
-                    Ok(None) => break,
-                    Err(e) => { failure = Some(e); break; }
-                },
-                _ = &mut shutdown => break,
-            }
-            let deadline = tokio::time::Instant::now() + options.max_wait;
-            while batch.len() < max_size {
-                tokio::select! {
-                    next = source.next() => match next {
-                        Ok(Some(d)) => batch.push(d),
-                        Ok(None) => { stopping = true; break; }
-                        Err(e) => { failure = Some(e); stopping = true; break; }
-                    },
-                    _ = tokio::time::sleep_until(deadline) => break,
-                    _ = &mut shutdown => { stopping = true; break; }
-                }
-            }
-            let consumer = self.clone();
-            running.spawn(async move {
-                let outcomes = S::run_batch(&consumer, batch).await;
-                drop(permit);
-                outcomes.iter().map(Outcome::kind).collect()
-            });
-        }
-        while let Some(done) = running.join_next().await {
-            count(&mut summary, done);
-        }
-        source.close().await;
-        if let Some(e) = failure {
-            tracing::error!(consumer = %self.inner.name, error = %e, "source failed");
-            return Err(e);
-        }
-        Ok(summary)
+        let units = Units {
+            max_size: options.max_size,
+            max_wait: options.max_wait,
+        };
+        self.run_units(source, shutdown, Batched, units).await
     }
 }

@@ -28,6 +28,7 @@ use std::collections::HashMap;
 
 use super::consumer::{Consumer, Identity};
 use super::lanes::LaneRelease;
+use super::run::Runner;
 use super::unit::{Answer, Claimant, Mode, Undone, Unit};
 use crate::error::{HandlerError, StoreError};
 use crate::message::{DeliveryMeta, Message};
@@ -75,9 +76,9 @@ impl<S: Store> Consumer<S> {
     /// A delivery as a member of a unit of `mode`, identified already
     /// (`identity`: its business key and fingerprint), releasing `lane`
     /// once its outcome is decided.
-    pub(crate) fn member<M: Mode<S>>(
+    pub(crate) fn member<R: Runner<S>>(
         &self,
-        mode: &M,
+        mode: &R,
         delivery: Delivery,
         identity: &Identity,
         lane: LaneRelease,
@@ -95,7 +96,11 @@ impl<S: Store> Consumer<S> {
     }
 
     /// A delivery identified here, outside any lane.
-    pub(crate) fn member_of<M: Mode<S>>(&self, mode: &M, delivery: Delivery) -> (Member, Identity) {
+    pub(crate) fn member_of<R: Runner<S>>(
+        &self,
+        mode: &R,
+        delivery: Delivery,
+    ) -> (Member, Identity) {
         let identity = self.identify(&delivery.message, delivery.defect.as_ref());
         self.member(mode, delivery, &identity, LaneRelease::none())
     }
@@ -109,6 +114,8 @@ impl<S: Store> Consumer<S> {
     ) -> Vec<Outcome> {
         let mut leaders: Vec<Leader> = Vec::new();
         let mut followers: Vec<Follower> = Vec::new();
+        // Copies of a key can only meet in a unit of more than one.
+        let several = members.len() > 1;
         let mut leader_of: HashMap<String, usize> = HashMap::new();
         let mut unit: Vec<Member> = Vec::with_capacity(members.len());
         for (index, (mut member, identity)) in members.into_iter().enumerate() {
@@ -126,7 +133,9 @@ impl<S: Store> Consumer<S> {
                         fingerprint,
                     }),
                     None => {
-                        leader_of.insert(key.clone(), leaders.len());
+                        if several {
+                            leader_of.insert(key.clone(), leaders.len());
+                        }
                         leaders.push(Leader {
                             member: index,
                             key,
@@ -255,16 +264,17 @@ impl<S: Store> Consumer<S> {
         let mut failures: Vec<(usize, HandlerError)> = Vec::new();
         let mut limited: Vec<(usize, String)> = Vec::new();
         let mut broken: Option<String> = None;
+        let mut answered: Vec<(usize, InboxRecord)> = Vec::new();
         for (n, answer) in answers.into_iter().enumerate().take(leaders.len()) {
             let (leader, member) = (&leaders[n], &members[leaders[n].member]);
             match answer {
                 Answer::New => {}
                 Answer::Done(record) => {
+                    // Answered once the unit let go of its transaction: a
+                    // conflict writes a dead letter, which needs a
+                    // connection of its own.
                     led[n] = Led::Done(record.clone());
-                    outcomes[n] = Some(
-                        self.answer(record, leader.fingerprint.clone(), member)
-                            .await,
-                    );
+                    answered.push((n, record));
                     continue;
                 }
                 Answer::Busy(why) => {
@@ -322,6 +332,13 @@ impl<S: Store> Consumer<S> {
                     .map_err(|e| format!("commit failed: {e}"))
             }
         };
+        for (n, record) in answered {
+            let member = &members[leaders[n].member];
+            outcomes[n] = Some(
+                self.answer(record, leaders[n].fingerprint.clone(), member)
+                    .await,
+            );
+        }
         let held = match completed {
             Ok(held) => held,
             Err(reason) => {

@@ -1,22 +1,102 @@
-//! The run loop: pull deliveries from a source, keep N in flight, count outcomes.
+//! The run loop of every mode: pull deliveries from a source, order them
+//! in key lanes, form units of work, keep N in flight, count outcomes.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
+use futures_util::future::BoxFuture;
+
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::task::{JoinError, JoinSet};
 
 use super::consumer::{lane_key, Consumer, Identity};
 use super::lanes::{KeyLanes, LaneEnd, LaneRelease};
-use crate::error::SourceError;
+use super::pipeline::Member;
+use super::unit::single::PerMessage;
+use super::unit::Mode;
+use crate::error::{InputError, SourceError};
+use crate::message::DeliveryMeta;
 use crate::outcome::{Outcome, OutcomeKind, Summary};
 use crate::source::{Delivery, Source};
 use crate::store::Store;
 
-/// Deliveries read ahead of those running, as a multiple of `concurrency`:
-/// room for other keys to run while copies of one key wait in its lane.
+/// Deliveries read ahead of those running, as a multiple of what runs at
+/// once: room for other keys to run while copies of one key wait in its lane.
 const READ_AHEAD: usize = 2;
+
+/// How the run loop forms units of work from the deliveries it reads.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Units {
+    /// At most this many deliveries per unit (1: a unit per delivery).
+    pub(crate) max_size: usize,
+    /// After the first delivery of a unit arrived, wait at most this long
+    /// for more before running it.
+    pub(crate) max_wait: Duration,
+}
+
+impl Units {
+    /// A unit per delivery.
+    pub(crate) const ONE: Self = Self {
+        max_size: 1,
+        max_wait: Duration::ZERO,
+    };
+}
+
+/// What the run loop needs of a mode: whether a partitioned source may hand
+/// out many records of a partition at once, what a delivery claims, and
+/// how a unit is processed. Every [`Mode`] is one; batch mode dispatches to
+/// its store's batch unit.
+pub(crate) trait Runner<S: Store>: Clone + Send + Sync + 'static {
+    /// See [`Mode::out_of_order`].
+    fn out_of_order(&self) -> bool;
+
+    /// See [`Mode::claim_identity`].
+    fn claim_identity(
+        &self,
+        meta: &DeliveryMeta,
+        identity: &Identity,
+        defect: Option<&InputError>,
+    ) -> Identity;
+
+    /// Takes a unit through the pipeline; its outcomes in order.
+    fn process<'a>(
+        &'a self,
+        consumer: &'a Consumer<S>,
+        members: Vec<(Member, Identity)>,
+    ) -> BoxFuture<'a, Vec<Outcome>>;
+}
+
+/// A [`Mode`] as the run loop runs it: each unit straight through the
+/// pipeline.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Direct<M>(pub(crate) M);
+
+impl<S: Store, M: Mode<S> + Clone + 'static> Runner<S> for Direct<M> {
+    fn out_of_order(&self) -> bool {
+        self.0.out_of_order()
+    }
+
+    fn claim_identity(
+        &self,
+        meta: &DeliveryMeta,
+        identity: &Identity,
+        defect: Option<&InputError>,
+    ) -> Identity {
+        self.0.claim_identity(meta, identity, defect)
+    }
+
+    fn process<'a>(
+        &'a self,
+        consumer: &'a Consumer<S>,
+        members: Vec<(Member, Identity)>,
+    ) -> BoxFuture<'a, Vec<Outcome>> {
+        Box::pin(consumer.process_unit(&self.0, members))
+    }
+}
+
+/// A member ready for a unit, with the read-ahead room it holds.
+type Ready = (Member, Identity, OwnedSemaphorePermit);
 
 impl<S: Store> Consumer<S> {
     /// Runs `source` until it ends, with up to
@@ -34,47 +114,70 @@ impl<S: Store> Consumer<S> {
     /// `shutdown` completes, finishes the ones in flight, and returns.
     pub async fn run_until(
         &self,
-        mut source: impl Source,
+        source: impl Source,
         shutdown: impl Future<Output = ()>,
     ) -> Result<Summary, SourceError> {
-        // The key lanes keep each key's order: a partitioned source may
-        // hand out as many records of a partition as the loop reads ahead.
-        source.settle_out_of_order(self.inner.concurrency.saturating_mul(READ_AHEAD));
-        let consumer = self.clone();
-        self.run_with(source, shutdown, move |delivery, identity, lane| {
-            let consumer = consumer.clone();
-            async move { consumer.process_in_lane(delivery, &identity, lane).await }
-        })
-        .await
+        self.run_units(source, shutdown, Direct(PerMessage), Units::ONE)
+            .await
     }
 
-    /// The loop of every per-delivery mode: reads up to twice `concurrency`
-    /// deliveries ahead, identifies each once (key and fingerprint), and
-    /// runs up to `concurrency` of them at once through `process`, until the
-    /// source ends or `shutdown` completes, then waits for those in flight.
+    /// The loop of every mode: reads deliveries ahead, identifies each once
+    /// (key and fingerprint), orders it in its key lane, forms units of
+    /// `mode` of up to `units.max_size` members, and runs up to
+    /// `concurrency` units at once through the pipeline, until the source
+    /// ends or `shutdown` completes; then finishes what it read.
     ///
     /// Deliveries with the same business key go through one key lane
-    /// (`super::lanes`): each waits until the previous one of its key
-    /// ended, so the first copy in the source's order is the first to claim
-    /// the key. When the previous copy was nacked to be retried, the next
-    /// one is nacked with the same delay without claiming (a later copy
-    /// never overtakes an earlier one that waits for its retry). Deliveries
-    /// without a key (bad input) run at once.
-    pub(crate) async fn run_with<F, Fut>(
+    /// (`super::lanes`): each waits until the previous one of its key ended
+    /// (also across units), so the first copy in the source's order is the
+    /// first to claim the key. When the previous copy was nacked to be
+    /// retried, the next one is nacked with the same delay without claiming
+    /// (a later copy never overtakes an earlier one that waits for its
+    /// retry). Deliveries without a key (bad input) wait for nothing.
+    ///
+    /// Memory is bounded: at most `READ_AHEAD` × `concurrency` ×
+    /// `max_size` deliveries are read and unsettled at a time, and a
+    /// partitioned source is allowed as many unsettled records of a
+    /// partition (unless the mode needs them one at a time).
+    pub(crate) async fn run_units<R>(
         &self,
         mut source: impl Source,
         shutdown: impl Future<Output = ()>,
-        process: F,
+        mode: R,
+        units: Units,
     ) -> Result<Summary, SourceError>
     where
-        F: Fn(Delivery, Identity, LaneRelease) -> Fut + Clone + Send + 'static,
-        Fut: Future<Output = Outcome> + Send + 'static,
+        R: Runner<S>,
     {
         let concurrency = self.inner.concurrency;
-        let admitted = Arc::new(Semaphore::new(concurrency.saturating_mul(READ_AHEAD)));
+        let max_size = units.max_size.max(1);
+        let read_ahead = concurrency
+            .saturating_mul(max_size)
+            .saturating_mul(READ_AHEAD);
+        if mode.out_of_order() {
+            source.settle_out_of_order(read_ahead);
+        }
+        let admitted = Arc::new(Semaphore::new(read_ahead));
         let running = Arc::new(Semaphore::new(concurrency));
         let lanes = Arc::new(KeyLanes::default());
-        let mut tasks: JoinSet<OutcomeKind> = JoinSet::new();
+        // Units of many are formed by one task from the members whose turn
+        // in their lane has come; a unit of one runs in its member's task.
+        // In a JoinSet, so that dropping this future (a cancelled run)
+        // aborts the former and the units it runs, as it aborts the tasks.
+        let mut former: JoinSet<Summary> = JoinSet::new();
+        let ready = if max_size > 1 {
+            let (ready, members) = mpsc::channel::<Ready>(read_ahead);
+            former.spawn(self.clone().form_units(
+                mode.clone(),
+                members,
+                Arc::clone(&running),
+                Units { max_size, ..units },
+            ));
+            Some(ready)
+        } else {
+            None
+        };
+        let mut tasks: JoinSet<Option<OutcomeKind>> = JoinSet::new();
         let mut summary = Summary::default();
         let mut failure = None;
         tokio::pin!(shutdown);
@@ -93,53 +196,126 @@ impl<S: Store> Consumer<S> {
                 next = source.next() => next,
                 _ = &mut shutdown => break,
             };
-            match next {
-                Ok(Some(delivery)) => {
-                    let identity = self.identify(&delivery.message, delivery.defect.as_ref());
-                    let ticket = lane_key(&identity).map(|key| lanes.admit(key.to_owned()));
-                    let consumer = self.clone();
-                    let process = process.clone();
-                    let running = Arc::clone(&running);
-                    tasks.spawn(async move {
-                        // The lane is released once the outcome is decided,
-                        // before the settle (see `LaneRelease`).
-                        let outcome = match ticket {
-                            None => {
-                                let _running = running.acquire_owned().await.ok();
-                                process(delivery, identity, LaneRelease::none()).await
-                            }
-                            Some(mut ticket) => match ticket.wait().await {
-                                Some(LaneEnd::RetryLater(delay)) => {
-                                    ticket.finish(LaneEnd::RetryLater(delay));
-                                    let key = lane_key(&identity).map(str::to_owned);
-                                    consumer.defer(delivery, key, delay).await
-                                }
-                                _ => {
-                                    let _running = running.acquire_owned().await.ok();
-                                    process(delivery, identity, ticket.into()).await
-                                }
-                            },
-                        };
-                        drop(admission);
-                        outcome.kind()
-                    });
-                }
+            let delivery = match next {
+                Ok(Some(delivery)) => delivery,
                 Ok(None) => break,
                 Err(e) => {
                     tracing::error!(consumer = %self.inner.name, error = %e, "source failed");
                     failure = Some(e);
                     break;
                 }
-            }
+            };
+            let identity = self.identify(&delivery.message, delivery.defect.as_ref());
+            let ticket = lane_key(&identity).map(|key| lanes.admit(key.to_owned()));
+            let consumer = self.clone();
+            let mode = mode.clone();
+            let running = Arc::clone(&running);
+            let ready = ready.clone();
+            tasks.spawn(async move {
+                // The lane is released once the outcome is decided, before
+                // the settle (see `LaneRelease`).
+                let lane = match ticket {
+                    None => LaneRelease::none(),
+                    Some(mut ticket) => match ticket.wait().await {
+                        Some(LaneEnd::RetryLater(delay)) => {
+                            ticket.finish(LaneEnd::RetryLater(delay));
+                            let key = lane_key(&identity).map(str::to_owned);
+                            let outcome = consumer.defer(delivery, key, delay).await;
+                            drop(admission);
+                            return Some(outcome.kind());
+                        }
+                        _ => ticket.into(),
+                    },
+                };
+                let (member, claim) = consumer.member(&mode, delivery, &identity, lane);
+                match ready {
+                    // Counted by the unit former; if it is gone, the member
+                    // is dropped unsettled and its source redelivers it.
+                    Some(ready) => {
+                        let _ = ready.send((member, claim, admission)).await;
+                        None
+                    }
+                    None => {
+                        let _running = running.acquire_owned().await.ok();
+                        let mut outcomes = mode.process(&consumer, vec![(member, claim)]).await;
+                        drop(admission);
+                        outcomes.pop().map(|outcome| outcome.kind())
+                    }
+                }
+            });
         }
         while let Some(done) = tasks.join_next().await {
             count(&mut summary, done);
+        }
+        drop(ready);
+        while let Some(formed) = former.join_next().await {
+            match formed {
+                Ok(formed) => summary.merge(&formed),
+                Err(e) => tracing::error!(error = %e, "the unit former failed"),
+            }
         }
         source.close().await;
         match failure {
             Some(e) => Err(e),
             None => Ok(summary),
         }
+    }
+
+    /// Forms units of up to `units.max_size` members from `members` (the
+    /// first waits as long as it takes, the rest at most `units.max_wait`),
+    /// runs up to `running` of them at once, and counts their outcomes
+    /// until `members` ends.
+    async fn form_units<R>(
+        self,
+        mode: R,
+        mut members: mpsc::Receiver<Ready>,
+        running: Arc<Semaphore>,
+        units: Units,
+    ) -> Summary
+    where
+        R: Runner<S>,
+    {
+        let mut summary = Summary::default();
+        let mut unit_tasks: JoinSet<Vec<OutcomeKind>> = JoinSet::new();
+        let record = |summary: &mut Summary, done: Result<Vec<OutcomeKind>, JoinError>| match done {
+            Ok(kinds) => kinds.into_iter().for_each(|k| summary.record(k)),
+            // The unit's deliveries were dropped unsettled: the source redelivers them.
+            Err(e) => tracing::error!(error = %e, "a unit task failed"),
+        };
+        while let Some(first) = members.recv().await {
+            while let Some(done) = unit_tasks.try_join_next() {
+                record(&mut summary, done);
+            }
+            let mut unit = Vec::with_capacity(units.max_size);
+            unit.push(first);
+            let deadline = tokio::time::Instant::now() + units.max_wait;
+            while unit.len() < units.max_size {
+                tokio::select! {
+                    next = members.recv() => match next {
+                        Some(member) => unit.push(member),
+                        None => break,
+                    },
+                    _ = tokio::time::sleep_until(deadline) => break,
+                }
+            }
+            let permit = Arc::clone(&running).acquire_owned().await.ok();
+            let consumer = self.clone();
+            let mode = mode.clone();
+            unit_tasks.spawn(async move {
+                let (members, room): (Vec<_>, Vec<_>) = unit
+                    .into_iter()
+                    .map(|(member, claim, admission)| ((member, claim), admission))
+                    .unzip();
+                let outcomes = mode.process(&consumer, members).await;
+                drop(room);
+                drop(permit);
+                outcomes.iter().map(Outcome::kind).collect()
+            });
+        }
+        while let Some(done) = unit_tasks.join_next().await {
+            record(&mut summary, done);
+        }
+        summary
     }
 
     /// Nacks `delivery` (of `key`) with `delay` without claiming it: an
@@ -158,9 +334,11 @@ impl<S: Store> Consumer<S> {
     }
 }
 
-fn count(summary: &mut Summary, done: Result<OutcomeKind, tokio::task::JoinError>) {
+fn count(summary: &mut Summary, done: Result<Option<OutcomeKind>, JoinError>) {
     match done {
-        Ok(kind) => summary.record(kind),
+        Ok(Some(kind)) => summary.record(kind),
+        // Handed to a unit: counted there.
+        Ok(None) => {}
         // The delivery was dropped unsettled: its source redelivers it.
         Err(e) => tracing::error!(error = %e, "a message task failed"),
     }

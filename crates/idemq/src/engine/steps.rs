@@ -10,6 +10,7 @@ use futures_util::FutureExt;
 use super::consumer::{Consumer, Identity};
 use super::handler::{Context, HandlerResult};
 use super::lanes::LaneRelease;
+use super::run::Direct;
 use super::unit::single::PerMessage;
 use crate::error::{HandlerError, HandlerErrorKind, InputError};
 use crate::message::{DeliveryMeta, Message};
@@ -37,7 +38,7 @@ impl<S: Store> Consumer<S> {
         identity: &Identity,
         lane: LaneRelease,
     ) -> Outcome {
-        let member = self.member(&PerMessage, delivery, identity, lane);
+        let member = self.member(&Direct(PerMessage), delivery, identity, lane);
         let mut outcomes = self.process_unit(&PerMessage, vec![member]).await;
         outcomes
             .pop()

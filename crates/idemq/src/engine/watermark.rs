@@ -40,6 +40,7 @@ use async_trait::async_trait;
 
 use super::consumer::{Consumer, Identity};
 use super::lanes::LaneRelease;
+use super::run::{Direct, Units};
 use super::unit::offsets::Watermark;
 use crate::error::{SourceError, StoreError};
 use crate::outcome::{Outcome, Summary};
@@ -108,16 +109,8 @@ impl<S: OffsetStore> Consumer<S> {
                 consumer: self.inner.name.clone(),
             }))
             .await;
-        let consumer = self.clone();
-        self.run_with(source, shutdown, move |delivery, identity, lane| {
-            let consumer = consumer.clone();
-            async move {
-                consumer
-                    .process_watermarked_in_lane(delivery, &identity, options, lane)
-                    .await
-            }
-        })
-        .await
+        self.run_units(source, shutdown, Direct(Watermark(options)), Units::ONE)
+            .await
     }
 
     /// Processes one delivery in offset-watermark mode and settles it.
@@ -142,7 +135,7 @@ impl<S: OffsetStore> Consumer<S> {
         lane: LaneRelease,
     ) -> Outcome {
         let mode = Watermark(options);
-        let member = self.member(&mode, delivery, identity, lane);
+        let member = self.member(&Direct(mode), delivery, identity, lane);
         let mut outcomes = self.process_unit(&mode, vec![member]).await;
         outcomes
             .pop()

@@ -161,14 +161,14 @@ pub trait Source: Send {
         let _ = lookup;
     }
 
-    /// The engine's per-message loop calls this once, before its run: it
-    /// keeps the order of each business key itself (key lanes) and settles
-    /// deliveries in any order. A source that hands out one unsettled
-    /// delivery per partition to keep the partition's order (Kafka) may then
-    /// hand out up to `per_partition` at once; it must still never commit
-    /// past an unsettled delivery. Modes that rely on partition order (batch,
-    /// offset watermark) never call it. The default ignores it; wrappers
-    /// should forward it.
+    /// The engine's run loop calls this once, before its run (per-message
+    /// and batch mode): it keeps the order of each business key itself (key
+    /// lanes) and settles deliveries in any order. A source that hands out
+    /// one unsettled delivery per partition to keep the partition's order
+    /// (Kafka) may then hand out up to `per_partition` at once; it must
+    /// still never commit past an unsettled delivery. The offset-watermark
+    /// mode, which relies on partition order, never calls it. The default
+    /// ignores it; wrappers should forward it.
     fn settle_out_of_order(&mut self, per_partition: usize) {
         let _ = per_partition;
     }

@@ -27,6 +27,14 @@ macro_rules! batch_suite {
                 crate::batch::a_failing_message_rolls_back_alone::<$backend>().await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn the_first_copy_in_order_wins_across_batches_at_concurrency_8() {
+                crate::batch::the_first_copy_in_order_wins_across_batches::<$backend>(8).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn the_first_copy_in_order_wins_across_batches_at_concurrency_64() {
+                crate::batch::the_first_copy_in_order_wins_across_batches::<$backend>(64).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_crash_before_the_commit_applies_the_batch_once() {
                 crate::batch::a_crash_before_the_commit_applies_the_batch_once::<$backend>().await
             }
@@ -74,6 +82,20 @@ where
         panic!("a new key after the migration")
     };
     store.rollback(tx).await.expect("rollback");
+}
+
+/// Keys reused with another amount on the very next message, in batch
+/// mode with many batches in flight: a later copy waits for the earlier
+/// copy's batch, so the first copy in the source's order is the one
+/// applied, across batches as inside one.
+pub async fn the_first_copy_in_order_wins_across_batches<B: Backend>(concurrency: usize)
+where
+    B::S: BatchStore,
+{
+    crate::scenarios::first_copies_win::<B>(concurrency, |consumer, queue| {
+        Box::pin(async move { consumer.run_batched(queue.source(), options(20)).await })
+    })
+    .await
 }
 
 fn options(max_size: usize) -> BatchOptions {

@@ -34,6 +34,22 @@ mod sqlite {
 #[cfg(feature = "redis")]
 mod redis {
     crate::scenarios::suite!(crate::backend::RedisBackend);
+
+    /// Batch mode over the Redis lease store keeps the order per key
+    /// across batches in flight, as the SQL batch suite checks for SQL.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn the_first_copy_in_order_wins_across_lease_batches() {
+        crate::scenarios::first_copies_win::<crate::backend::RedisBackend>(8, |consumer, queue| {
+            Box::pin(async move {
+                let options = idemq::engine::BatchOptions {
+                    max_size: 20,
+                    max_wait: std::time::Duration::from_millis(5),
+                };
+                consumer.run_batched(queue.source(), options).await
+            })
+        })
+        .await
+    }
 }
 
 mod memory {

@@ -611,6 +611,22 @@ pub async fn migrations_are_idempotent_under_concurrency<B: Backend>() {
 /// one applied, every later copy is a conflict (or a duplicate when it
 /// repeats the first payload), and nothing is applied twice.
 pub async fn the_first_copy_in_order_wins<B: Backend>(concurrency: usize) {
+    first_copies_win::<B>(concurrency, |consumer, queue| {
+        Box::pin(async move { consumer.run(queue.source()).await })
+    })
+    .await
+}
+
+/// How [`first_copies_win`] runs a consumer over a queue.
+pub(crate) type RunWith<S> =
+    fn(
+        Consumer<S>,
+        MemoryQueue,
+    ) -> futures_util::future::BoxFuture<'static, Result<Summary, SourceError>>;
+
+/// [`the_first_copy_in_order_wins`], with the consumer run by `run_with`
+/// (per-message or batch mode).
+pub(crate) async fn first_copies_win<B: Backend>(concurrency: usize, run_with: RunWith<B::S>) {
     const KEYS: i64 = 300;
     let backend = B::fresh().await;
     let plan = Arc::new(Plan::default());
@@ -625,11 +641,14 @@ pub async fn the_first_copy_in_order_wins<B: Backend>(concurrency: usize) {
     }
     let total = messages.len() as u64;
     let queue = queue_of(messages);
-    let summary = run::<B>(
-        consumer(&backend, "ledger", &plan).concurrency(concurrency),
-        &queue,
-    )
-    .await;
+    let consumer = consumer(&backend, "ledger", &plan)
+        .concurrency(concurrency)
+        .build()
+        .expect("consumer");
+    let summary = tokio::time::timeout(Duration::from_secs(60), run_with(consumer, queue.clone()))
+        .await
+        .expect("run finished in time")
+        .expect("run");
 
     let ledger = backend.ledger().await;
     let later_wins: Vec<_> = ledger.iter().filter(|(_, a)| *a >= 100_000).collect();

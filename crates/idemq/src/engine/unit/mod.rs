@@ -105,6 +105,13 @@ pub(crate) trait Mode<S: Store>: Send + Sync {
     /// The unit this mode runs.
     type Unit: Unit<S>;
 
+    /// Whether the run loop may ask a partitioned source for many unsettled
+    /// records of a partition at once ([`Source::settle_out_of_order`](crate::source::Source::settle_out_of_order)):
+    /// the key lanes keep each key's order. By default, yes.
+    fn out_of_order(&self) -> bool {
+        true
+    }
+
     /// A new unit; `careful`: isolate every member from the start.
     fn open(&self, consumer: &Consumer<S>, careful: bool) -> Self::Unit;
 

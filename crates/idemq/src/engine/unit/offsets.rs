@@ -36,6 +36,12 @@ pub(crate) struct Watermark(pub(crate) WatermarkOptions);
 impl<S: OffsetStore> Mode<S> for Watermark {
     type Unit = Offsets<S>;
 
+    /// The watermark moves to the highest offset applied, so a partition's
+    /// records must commit in offset order: one unsettled at a time.
+    fn out_of_order(&self) -> bool {
+        false
+    }
+
     fn open(&self, consumer: &Consumer<S>, _careful: bool) -> Offsets<S> {
         Offsets {
             consumer: consumer.clone(),
