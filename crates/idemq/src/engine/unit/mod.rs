@@ -98,6 +98,16 @@ pub(crate) trait Unit<S: Store>: Send + Sized {
     async fn abort(self);
 }
 
+/// Rolls back the transaction or lease a unit still `held`, if any; a
+/// failure is logged (the database or the lease expiry undoes it anyway).
+pub(crate) async fn roll_back<S: Store>(consumer: &Consumer<S>, held: &mut Option<S::Tx>) {
+    if let Some(tx) = held.take() {
+        if let Err(e) = consumer.inner.store.rollback(tx).await {
+            tracing::warn!(consumer = %consumer.inner.name, error = %e, "rollback failed");
+        }
+    }
+}
+
 /// A mode of the pipeline: what a unit is, what a member claims, and what
 /// happens after a dead letter.
 #[async_trait]

@@ -4,7 +4,7 @@
 
 use async_trait::async_trait;
 
-use super::{Answer, Claimant, Mode, Undone, Unit};
+use super::{roll_back, Answer, Claimant, Mode, Undone, Unit};
 use crate::engine::consumer::{Consumer, Identity};
 use crate::engine::watermark::WatermarkOptions;
 use crate::error::{InputError, StoreError};
@@ -106,11 +106,7 @@ pub(crate) struct Offsets<S: OffsetStore> {
 
 impl<S: OffsetStore> Offsets<S> {
     async fn rollback(&mut self) {
-        if let Some(tx) = self.tx.take() {
-            if let Err(e) = self.consumer.inner.store.rollback(tx).await {
-                tracing::warn!(consumer = %self.consumer.inner.name, error = %e, "rollback failed");
-            }
-        }
+        roll_back(&self.consumer, &mut self.tx).await;
     }
 
     /// Claims the offset (and the key); the answer for one record.

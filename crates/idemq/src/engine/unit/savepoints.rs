@@ -9,7 +9,7 @@
 
 use async_trait::async_trait;
 
-use super::{Answer, Claimant, Mode, Undone, Unit};
+use super::{roll_back, Answer, Claimant, Mode, Undone, Unit};
 use crate::engine::consumer::Consumer;
 use crate::error::StoreError;
 use crate::store::{BatchClaim, BatchStore};
@@ -45,11 +45,7 @@ impl<S: BatchStore> Savepoints<S> {
     }
 
     async fn rollback(&mut self) {
-        if let Some(tx) = self.tx.take() {
-            if let Err(e) = self.consumer.inner.store.rollback(tx).await {
-                tracing::warn!(consumer = %self.consumer.inner.name, error = %e, "rollback failed");
-            }
-        }
+        roll_back(&self.consumer, &mut self.tx).await;
     }
 }
 

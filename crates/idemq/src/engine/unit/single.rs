@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 
-use super::{Answer, Claimant, Mode, Undone, Unit};
+use super::{roll_back, Answer, Claimant, Mode, Undone, Unit};
 use crate::engine::consumer::Consumer;
 use crate::error::StoreError;
 use crate::policy::InFlightPolicy;
@@ -62,11 +62,7 @@ async fn claim_waiting<S: Store>(
 
 impl<S: Store> Single<S> {
     async fn rollback(&mut self) {
-        if let Some(tx) = self.tx.take() {
-            if let Err(e) = self.consumer.inner.store.rollback(tx).await {
-                tracing::warn!(consumer = %self.consumer.inner.name, error = %e, "rollback failed");
-            }
-        }
+        roll_back(&self.consumer, &mut self.tx).await;
     }
 }
 
