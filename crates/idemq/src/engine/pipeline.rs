@@ -28,7 +28,7 @@ use std::collections::HashMap;
 
 use super::consumer::{Consumer, Identity};
 use super::lanes::LaneRelease;
-use super::run::Runner;
+use super::run::{Direct, Runner};
 use super::unit::{Answer, Claimant, Mode, Undone, Unit};
 use crate::error::{HandlerError, StoreError};
 use crate::message::{DeliveryMeta, Message};
@@ -103,6 +103,20 @@ impl<S: Store> Consumer<S> {
     ) -> (Member, Identity) {
         let identity = self.identify(&delivery.message, delivery.defect.as_ref());
         self.member(mode, delivery, &identity, LaneRelease::none())
+    }
+
+    /// One delivery as a unit of one of `mode`, identified here, outside any
+    /// lane; its settled outcome.
+    pub(crate) async fn process_one<M: Mode<S> + Clone + 'static>(
+        &self,
+        mode: M,
+        delivery: Delivery,
+    ) -> Outcome {
+        let member = self.member_of(&Direct(mode.clone()), delivery);
+        let mut outcomes = self.process_unit(&mode, vec![member]).await;
+        outcomes
+            .pop()
+            .unwrap_or_else(|| self.busy(None, "no outcome".into()))
     }
 
     /// Takes a unit of members through the pipeline (see the module docs)

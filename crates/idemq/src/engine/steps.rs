@@ -9,8 +9,6 @@ use futures_util::FutureExt;
 
 use super::consumer::{Consumer, Identity};
 use super::handler::{Context, HandlerResult};
-use super::lanes::LaneRelease;
-use super::run::Direct;
 use super::unit::single::PerMessage;
 use crate::error::{HandlerError, HandlerErrorKind, InputError};
 use crate::message::{DeliveryMeta, Message};
@@ -24,25 +22,7 @@ impl<S: Store> Consumer<S> {
     /// ack after commit (processed, duplicate), nack with a delay (retry
     /// later), or dead-letter and ack.
     pub async fn process(&self, delivery: Delivery) -> Outcome {
-        let identity = self.identify(&delivery.message, delivery.defect.as_ref());
-        self.process_in_lane(delivery, &identity, LaneRelease::none())
-            .await
-    }
-
-    /// [`process`](Self::process) of a delivery identified already (its
-    /// business key and fingerprint), releasing `lane` once the outcome is
-    /// decided and before the delivery is settled.
-    pub(crate) async fn process_in_lane(
-        &self,
-        delivery: Delivery,
-        identity: &Identity,
-        lane: LaneRelease,
-    ) -> Outcome {
-        let member = self.member(&Direct(PerMessage), delivery, identity, lane);
-        let mut outcomes = self.process_unit(&PerMessage, vec![member]).await;
-        outcomes
-            .pop()
-            .unwrap_or_else(|| self.busy(None, "no outcome".into()))
+        self.process_one(PerMessage, delivery).await
     }
 
     pub(crate) async fn settle(&self, outcome: &Outcome, acker: Box<dyn Acknowledger>) {

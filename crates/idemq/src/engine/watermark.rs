@@ -38,8 +38,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use super::consumer::{Consumer, Identity};
-use super::lanes::LaneRelease;
+use super::consumer::Consumer;
 use super::run::{Direct, Units};
 use super::unit::offsets::Watermark;
 use crate::error::{SourceError, StoreError};
@@ -119,26 +118,6 @@ impl<S: OffsetStore> Consumer<S> {
         delivery: Delivery,
         options: WatermarkOptions,
     ) -> Outcome {
-        let identity = self.identify(&delivery.message, delivery.defect.as_ref());
-        self.process_watermarked_in_lane(delivery, &identity, options, LaneRelease::none())
-            .await
-    }
-
-    /// [`process_watermarked`](Self::process_watermarked) of a delivery
-    /// identified already, releasing `lane` once the outcome is decided and
-    /// before the delivery is settled.
-    async fn process_watermarked_in_lane(
-        &self,
-        delivery: Delivery,
-        identity: &Identity,
-        options: WatermarkOptions,
-        lane: LaneRelease,
-    ) -> Outcome {
-        let mode = Watermark(options);
-        let member = self.member(&Direct(mode), delivery, identity, lane);
-        let mut outcomes = self.process_unit(&mode, vec![member]).await;
-        outcomes
-            .pop()
-            .unwrap_or_else(|| self.busy(None, "no outcome".into()))
+        self.process_one(Watermark(options), delivery).await
     }
 }
