@@ -1,8 +1,27 @@
 //! A payment ledger that applies each payment exactly once, however often
 //! it is delivered. Run: `cargo run -p idemq --example ledger`
 use idemq::source::queue::MemoryQueue;
-use idemq::store::{sql::sqlite::SqliteStore, StoreAdmin};
-use idemq::{Consumer, HandlerError, KeySpec, Message};
+use idemq::store::sql::sqlite::{SqliteStore, SqliteTx};
+use idemq::store::StoreAdmin;
+use idemq::{Consumer, Context, HandlerResult, KeySpec, Message};
+
+#[derive(serde::Deserialize)]
+struct Payment {
+    account: String,
+    amount: i64,
+}
+
+/// Applies one payment, in the transaction that claimed its key.
+async fn apply(ctx: &Context<'_>, tx: &mut SqliteTx) -> HandlerResult {
+    let payment: Payment = ctx.decode()?; // undecodable → dead letter
+    sqlx::query("INSERT INTO ledger VALUES (?, ?, ?)")
+        .bind(ctx.key)
+        .bind(payment.account)
+        .bind(payment.amount)
+        .execute(&mut **tx)
+        .await?;
+    Ok(None)
+}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -14,18 +33,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let consumer = Consumer::builder("ledger", store.clone())
         .key(KeySpec::json("/payment_id")) // a business key, not the broker's message id
-        .handler_fn(|ctx, tx| {
-            Box::pin(async move {
-                let p: serde_json::Value = ctx.message.json().map_err(HandlerError::permanent)?;
-                sqlx::query("INSERT INTO ledger VALUES (?, ?, ?)")
-                    .bind(ctx.key)
-                    .bind(p["account"].as_str())
-                    .bind(p["amount"].as_i64())
-                    .execute(&mut **tx) // the transaction that claimed the key
-                    .await?;
-                Ok(None)
-            })
-        })
+        .handle(apply)
         .build()?;
 
     // At-least-once delivery: the same payment arrives three times.

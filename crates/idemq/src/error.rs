@@ -7,6 +7,7 @@ use std::time::Duration;
 /// Every variant is a property of the message itself: retrying cannot help,
 /// so the engine dead-letters the message with [`code`](Self::code) as the reason.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum InputError {
     /// The key spec found no value (missing header, JSON field, id or transport key).
     #[error("no key: {0} is absent")]
@@ -42,6 +43,15 @@ pub enum InputError {
     /// The source could not decode the raw record (e.g. a bad JSON-lines envelope).
     #[error("malformed record: {0}")]
     Malformed(String),
+    /// The payload does not decode to the type the handler asked for
+    /// ([`Context::decode`](crate::Context::decode)).
+    #[error("payload does not decode to {type_name}: {error}")]
+    Undecodable {
+        /// The Rust type the handler asked for.
+        type_name: &'static str,
+        /// The decoder's error.
+        error: String,
+    },
 }
 
 impl InputError {
@@ -56,6 +66,7 @@ impl InputError {
             InputError::MalformedJson(_) => "malformed_json",
             InputError::MissingField(_) => "missing_field",
             InputError::Malformed(_) => "malformed_record",
+            InputError::Undecodable { .. } => "undecodable_payload",
         }
     }
 }
@@ -118,6 +129,11 @@ pub enum HandlerErrorKind {
     /// the Idempotency-Key draft): rolled back and dead-lettered at once
     /// with the reason `conflict`, like a conflict in idemq's own inbox.
     Conflict,
+    /// The message itself is bad for this handler (its payload does not
+    /// decode to the handler's type, a field it needs is absent): rolled
+    /// back and dead-lettered at once with the input error's reason code,
+    /// like bad input found before the claim.
+    InvalidInput,
 }
 
 impl HandlerErrorKind {
@@ -127,6 +143,7 @@ impl HandlerErrorKind {
             HandlerErrorKind::Retryable => "retryable",
             HandlerErrorKind::Permanent => "permanent",
             HandlerErrorKind::Conflict => "conflict",
+            HandlerErrorKind::InvalidInput => "invalid input",
         }
     }
 }
@@ -149,6 +166,7 @@ pub struct HandlerError {
     kind: HandlerErrorKind,
     message: String,
     retry_after: Option<Duration>,
+    input: Option<InputError>,
     source: Option<BoxError>,
 }
 
@@ -159,8 +177,22 @@ impl HandlerError {
             kind,
             message: message.to_string(),
             retry_after: None,
+            input: None,
             source: None,
         }
+    }
+
+    /// Bad input found by the handler: dead-lettered at once with the
+    /// reason [`InputError::code`].
+    pub fn invalid_input(error: InputError) -> Self {
+        let mut err = Self::new(HandlerErrorKind::InvalidInput, &error);
+        err.input = Some(error);
+        err
+    }
+
+    /// The input error of an [`invalid_input`](Self::invalid_input) error.
+    pub fn input_error(&self) -> Option<&InputError> {
+        self.input.as_ref()
     }
 
     /// A retryable failure.
@@ -197,6 +229,12 @@ impl HandlerError {
 }
 
 kinded_error!(HandlerError, HandlerErrorKind);
+
+impl From<InputError> for HandlerError {
+    fn from(error: InputError) -> Self {
+        HandlerError::invalid_input(error)
+    }
+}
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 impl From<sqlx::Error> for HandlerError {

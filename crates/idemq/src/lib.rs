@@ -67,7 +67,7 @@ pub mod store;
 pub mod template;
 
 pub use effect::{idempotency_key, EffectJournal};
-pub use engine::{handler_fn, Consumer, ConsumerBuilder, Context, Handler, HandlerResult};
+pub use engine::{handler_fn, layers, Consumer, ConsumerBuilder, Context, Handler, HandlerResult};
 pub use error::{
     ConfigError, HandlerError, HandlerErrorKind, InputError, SourceError, SourceErrorKind,
     StoreError, StoreErrorKind,

@@ -6,7 +6,11 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 
-use super::handler::{Context, FnHandler, Handler, HandlerResult};
+use super::handler::layers::{self, BoxHandler, Layer};
+use super::handler::{
+    AsyncFnHandler, AsyncHandlerFn, Context, FnHandler, Handler, HandlerResult, StateFnHandler,
+    StateHandlerFn,
+};
 use crate::error::ConfigError;
 use crate::fingerprint::FingerprintSpec;
 use crate::key::KeySpec;
@@ -17,6 +21,9 @@ use crate::store::Store;
 
 /// Callback observing every outcome (progress bars, custom metrics).
 pub(crate) type OutcomeHook = Arc<dyn Fn(&Outcome) + Send + Sync>;
+
+/// A user's layer, kept until the handler is known.
+type LayerFn<Tx> = Box<dyn FnOnce(BoxHandler<Tx>) -> BoxHandler<Tx> + Send>;
 
 /// The identify step's answer for one delivery, derived once and carried
 /// through its key lane to the claim: the business key and the payload
@@ -38,13 +45,13 @@ pub(crate) struct Inner<S: Store> {
     pub(crate) store: Arc<S>,
     pub(crate) key: KeySpec,
     pub(crate) fingerprint: FingerprintSpec,
-    pub(crate) handler: Box<dyn Handler<S::Tx>>,
+    /// The handler inside its layers.
+    pub(crate) handler: BoxHandler<S::Tx>,
     pub(crate) retry: RetryPolicy,
     pub(crate) conflict: ConflictPolicy,
     pub(crate) in_flight: InFlightPolicy,
     pub(crate) concurrency: usize,
     pub(crate) lease: Duration,
-    pub(crate) handler_timeout: Option<Duration>,
     pub(crate) on_outcome: Option<OutcomeHook>,
 }
 
@@ -53,17 +60,20 @@ pub(crate) struct Inner<S: Store> {
 /// Cloning is cheap and shares everything.
 ///
 /// ```
-/// use idemq::{Consumer, HandlerError, KeySpec, Message, OutcomeKind};
+/// use idemq::{Consumer, Context, KeySpec, Message, OutcomeKind};
 /// use idemq::source::queue::MemoryQueue;
-/// use idemq::store::memory::MemoryStore;
+/// use idemq::store::memory::{Lease, MemoryStore};
+///
+/// #[derive(serde::Deserialize)]
+/// struct Payment { amount: i64 }
 ///
 /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
 /// let consumer = Consumer::builder("billing", MemoryStore::new())
 ///     .key(KeySpec::json("/payment_id"))
-///     .handler_fn(|ctx, _lease| Box::pin(async move {
-///         let payment: serde_json::Value = ctx.message.json().map_err(HandlerError::permanent)?;
-///         Ok(Some(serde_json::json!({ "charged": payment["amount"] })))
-///     }))
+///     .handle(async |ctx: &Context<'_>, _lease: &mut Lease| {
+///         let payment: Payment = ctx.decode()?;
+///         Ok(Some(serde_json::json!({ "charged": payment.amount })))
+///     })
 ///     .build()
 ///     .unwrap();
 ///
@@ -105,7 +115,8 @@ pub struct ConsumerBuilder<S: Store> {
     store: Arc<S>,
     key: KeySpec,
     fingerprint: FingerprintSpec,
-    handler: Option<Box<dyn Handler<S::Tx>>>,
+    handler: Option<BoxHandler<S::Tx>>,
+    layers: Vec<LayerFn<S::Tx>>,
     retry: RetryPolicy,
     conflict: ConflictPolicy,
     in_flight: InFlightPolicy,
@@ -129,6 +140,7 @@ impl<S: Store> Consumer<S> {
             key: KeySpec::transport_key().or(KeySpec::id()),
             fingerprint: FingerprintSpec::Payload,
             handler: None,
+            layers: Vec::new(),
             retry: RetryPolicy::default(),
             conflict: ConflictPolicy::default(),
             in_flight: InFlightPolicy::default(),
@@ -169,8 +181,115 @@ impl<S: Store> ConsumerBuilder<S> {
         self
     }
 
+    /// The handler as an `async fn(&Context<'_>, &mut Tx) -> HandlerResult`
+    /// (or an async closure that captures nothing); no `Box::pin` needed.
+    /// A handler that needs shared state takes it through
+    /// [`handle_with`](Self::handle_with).
+    ///
+    /// ```
+    /// use idemq::{Consumer, Context, HandlerResult};
+    /// use idemq::store::memory::{Lease, MemoryStore};
+    ///
+    /// async fn charge(ctx: &Context<'_>, _lease: &mut Lease) -> HandlerResult {
+    ///     let payment: serde_json::Value = ctx.decode()?;
+    ///     Ok(Some(payment["amount"].clone()))
+    /// }
+    ///
+    /// let consumer = Consumer::builder("billing", MemoryStore::new()).handle(charge).build();
+    /// assert!(consumer.is_ok());
+    /// ```
+    pub fn handle<F>(self, f: F) -> Self
+    where
+        F: for<'a> AsyncHandlerFn<'a, S::Tx>,
+    {
+        self.handler(AsyncFnHandler(f))
+    }
+
+    /// The handler as an `async fn(&State, &Context<'_>, &mut Tx) ->
+    /// HandlerResult`, called with `&state` on every message (a pool, an
+    /// HTTP client, a config), like an axum handler's `State`.
+    ///
+    /// ```
+    /// use idemq::{Consumer, Context, HandlerResult};
+    /// use idemq::store::memory::{Lease, MemoryStore};
+    ///
+    /// struct Rates { fee: i64 }
+    ///
+    /// async fn charge(rates: &Rates, ctx: &Context<'_>, _lease: &mut Lease) -> HandlerResult {
+    ///     let payment: serde_json::Value = ctx.decode()?;
+    ///     let total = payment["amount"].as_i64().unwrap_or(0) + rates.fee;
+    ///     Ok(Some(total.into()))
+    /// }
+    ///
+    /// let consumer = Consumer::builder("billing", MemoryStore::new())
+    ///     .handle_with(Rates { fee: 1 }, charge)
+    ///     .build();
+    /// assert!(consumer.is_ok());
+    /// ```
+    pub fn handle_with<State, F>(self, state: State, f: F) -> Self
+    where
+        State: Send + Sync + 'static,
+        F: for<'a> StateHandlerFn<'a, State, S::Tx>,
+    {
+        self.handler(StateFnHandler::new(state, f))
+    }
+
+    /// Wraps the handler in `layer` (tower-style, see [`layers`]): for
+    /// cross-cutting concerns such as a retry in place, a circuit breaker
+    /// or a rate limit. Layers added first are outermost; all of them sit
+    /// inside the consumer's own trace, metrics, panic and timeout layers.
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicUsize, Ordering};
+    /// use std::sync::Arc;
+    /// use futures_util::future::BoxFuture;
+    /// use idemq::layers::{Layer, RetryLayer};
+    /// use idemq::{Consumer, Context, Handler, HandlerResult};
+    /// use idemq::store::memory::{Lease, MemoryStore};
+    ///
+    /// /// Counts the calls that reach the handler.
+    /// struct Counted<H> { inner: H, calls: Arc<AtomicUsize> }
+    ///
+    /// impl<Tx: Send + 'static, H: Handler<Tx>> Handler<Tx> for Counted<H> {
+    ///     fn handle<'a>(&'a self, ctx: &'a Context<'a>, tx: &'a mut Tx) -> BoxFuture<'a, HandlerResult> {
+    ///         self.calls.fetch_add(1, Ordering::Relaxed);
+    ///         self.inner.handle(ctx, tx)
+    ///     }
+    /// }
+    ///
+    /// struct CountLayer(Arc<AtomicUsize>);
+    ///
+    /// impl<H> Layer<H> for CountLayer {
+    ///     type Service = Counted<H>;
+    ///     fn layer(&self, inner: H) -> Counted<H> {
+    ///         Counted { inner, calls: Arc::clone(&self.0) }
+    ///     }
+    /// }
+    ///
+    /// async fn charge(_ctx: &Context<'_>, _lease: &mut Lease) -> HandlerResult { Ok(None) }
+    ///
+    /// let calls = Arc::new(AtomicUsize::new(0));
+    /// let consumer = Consumer::builder("billing", MemoryStore::new())
+    ///     .handle(charge)
+    ///     .layer(CountLayer(Arc::clone(&calls)))
+    ///     .layer(RetryLayer::new(3, std::time::Duration::from_millis(10)))
+    ///     .build();
+    /// assert!(consumer.is_ok());
+    /// ```
+    pub fn layer<L>(mut self, layer: L) -> Self
+    where
+        L: Layer<BoxHandler<S::Tx>> + Send + 'static,
+        L::Service: Handler<S::Tx>,
+    {
+        self.layers.push(Box::new(move |inner: BoxHandler<S::Tx>| {
+            Box::new(layer.layer(inner)) as BoxHandler<S::Tx>
+        }));
+        self
+    }
+
     /// The handler as a closure returning a boxed future:
-    /// `|ctx, tx| Box::pin(async move { … })`.
+    /// `|ctx, tx| Box::pin(async move { … })`. Prefer [`handle`](Self::handle)
+    /// with an `async fn`, which needs no `Box::pin`.
     pub fn handler_fn<F>(self, f: F) -> Self
     where
         F: for<'a> Fn(&'a Context<'a>, &'a mut S::Tx) -> BoxFuture<'a, HandlerResult>
@@ -212,7 +331,8 @@ impl<S: Store> ConsumerBuilder<S> {
         self
     }
 
-    /// Fails (retryably) a handler that runs longer than this.
+    /// Fails (retryably) a handler call that runs longer than this, its
+    /// layers included ([`TimeoutLayer`](super::layers::TimeoutLayer)).
     pub fn handler_timeout(mut self, timeout: Duration) -> Self {
         self.handler_timeout = Some(timeout);
         self
@@ -242,9 +362,13 @@ impl<S: Store> ConsumerBuilder<S> {
                 "max_attempts must be at least 1".into(),
             ));
         }
-        let handler = self
+        let mut handler = self
             .handler
             .ok_or_else(|| ConfigError::Policy("a handler is required".into()))?;
+        for wrap in self.layers.into_iter().rev() {
+            handler = wrap(handler);
+        }
+        let handler = layers::standard(handler, self.handler_timeout);
         Ok(Consumer {
             inner: Arc::new(Inner {
                 name: self.name,
@@ -257,7 +381,6 @@ impl<S: Store> ConsumerBuilder<S> {
                 in_flight: self.in_flight,
                 concurrency: self.concurrency,
                 lease: self.lease,
-                handler_timeout: self.handler_timeout,
                 on_outcome: self.on_outcome,
             }),
         })

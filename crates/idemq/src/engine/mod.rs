@@ -36,5 +36,9 @@ pub mod watermark;
 
 pub use batch::{BatchMode, BatchOptions};
 pub use consumer::{validate_consumer_name, Consumer, ConsumerBuilder};
-pub use handler::{handler_fn, Context, FnHandler, Handler, HandlerResult};
+pub use handler::layers;
+pub use handler::{
+    handler_fn, AsyncFnHandler, AsyncHandlerFn, Context, FnHandler, Handler, HandlerResult,
+    StateFnHandler, StateHandlerFn,
+};
 pub use watermark::WatermarkOptions;

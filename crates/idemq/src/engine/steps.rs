@@ -2,11 +2,6 @@
 //! decide what a failure, a conflict or a dead letter comes to, settle the
 //! delivery with its source and report the outcome.
 
-use std::panic::AssertUnwindSafe;
-use std::time::Instant;
-
-use futures_util::FutureExt;
-
 use super::consumer::{Consumer, Identity};
 use super::handler::{Context, HandlerResult};
 use super::unit::single::PerMessage;
@@ -114,8 +109,7 @@ impl<S: Store> Consumer<S> {
         })
     }
 
-    /// Runs the handler once with `tx`: a panic or a timeout becomes a
-    /// retryable error.
+    /// Runs the handler, inside its layers, once with `tx`.
     pub(crate) async fn call_handler(
         &self,
         tx: &mut S::Tx,
@@ -133,29 +127,7 @@ impl<S: Store> Consumer<S> {
             attempt: meta.delivery_count.max(1),
             journal: inner.store.journal(),
         };
-        let started = Instant::now();
-        let result = {
-            let run = AssertUnwindSafe(inner.handler.handle(&ctx, tx)).catch_unwind();
-            match inner.handler_timeout {
-                Some(limit) => match tokio::time::timeout(limit, run).await {
-                    Ok(r) => r,
-                    Err(_) => Ok(Err(HandlerError::retryable(format!(
-                        "handler timed out after {limit:?}"
-                    )))),
-                },
-                None => run.await,
-            }
-        };
-        metrics::histogram!("idemq_handler_seconds", "consumer" => inner.name.clone())
-            .record(started.elapsed().as_secs_f64());
-        result.unwrap_or_else(|panic| {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_owned());
-            Err(HandlerError::retryable(format!("handler panicked: {what}")))
-        })
+        inner.handler.handle(&ctx, tx).await
     }
 
     pub(crate) async fn failed(
@@ -189,6 +161,16 @@ impl<S: Store> Consumer<S> {
                     1,
                 )
                 .await
+            }
+            HandlerErrorKind::InvalidInput => {
+                let reason = DeadLetterReason::InvalidInput(
+                    error
+                        .input_error()
+                        .cloned()
+                        .unwrap_or_else(|| InputError::Malformed(text.to_owned())),
+                );
+                self.dead_letter_with(Some(key), reason, text, message, meta, 1)
+                    .await
             }
             HandlerErrorKind::Retryable => {
                 let attempts = match inner.store.record_failure(&inner.name, key, text).await {

@@ -30,6 +30,9 @@ pub struct Lease {
     fencing: u64,
 }
 
+/// A lease holds no writes: a retry in place has nothing to undo.
+impl crate::engine::layers::Rewind for Lease {}
+
 impl Lease {
     /// A number that rises with every acquisition of any key in this store:
     /// a downstream system can refuse writes carrying a lower number than

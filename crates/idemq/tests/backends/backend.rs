@@ -7,13 +7,15 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures_util::future::BoxFuture;
+use idemq::engine::StateFnHandler;
 use idemq::store::memory::{Lease, MemoryStore};
 use idemq::store::{Store, StoreAdmin};
-use idemq::{handler_fn, Context, Handler, HandlerError, HandlerResult};
+use idemq::{Context, Handler, HandlerError, HandlerResult};
 
 /// How the test handler behaves, by payload field `fail`:
 /// `"retry"` fails retryably `fail_times` times (all attempts if absent),
-/// `"permanent"` fails permanently, `"hang"` never finishes, `"panic"` panics.
+/// `"permanent"` fails permanently, `"hang"` never finishes, `"panic"` panics,
+/// `"decode"` asks [`Context::decode`] for a type the payload is not.
 /// It writes its ledger row *before* failing, so a missing rollback shows.
 #[derive(Default)]
 pub struct Plan {
@@ -41,6 +43,15 @@ impl Plan {
             }
             Some("permanent") => return Err(HandlerError::permanent("rejected by business rule")),
             Some("panic") => panic!("handler bug"),
+            Some("decode") => {
+                /// The payload's amount is a number: it does not decode to text.
+                #[derive(serde::Deserialize)]
+                struct AmountAsText {
+                    #[allow(dead_code)]
+                    amount: String,
+                }
+                ctx.decode::<AmountAsText>()?;
+            }
             _ => {}
         }
         Ok(Some(serde_json::json!({ "amount": payload["amount"] })))
@@ -197,6 +208,43 @@ pub async fn unmigrated<S: SqlTestStore>() -> (S, String, Option<tempfile::TempD
     (store, prefix, dir)
 }
 
+/// The SQL handler, an `async fn` with state: writes the ledger row through
+/// the claim's transaction, then lets the plan decide.
+async fn sql_apply<S: SqlTestStore>(
+    (plan, insert): &(Arc<Plan>, Arc<str>),
+    ctx: &Context<'_>,
+    tx: &mut S::Tx,
+) -> HandlerResult {
+    S::write(tx, insert, ctx.key, Plan::amount(ctx)).await?;
+    if plan.hangs(ctx) {
+        std::future::pending::<()>().await;
+    }
+    plan.verdict(ctx)
+}
+
+/// The lease stores' handler, an `async fn` with state: a lease store cannot
+/// roll back the handler's effects, so the in-process ledger is written only
+/// on success.
+async fn lease_apply<Tx: Send>(
+    (plan, ledger): &(Arc<Plan>, Ledger),
+    ctx: &Context<'_>,
+    _lease: &mut Tx,
+) -> HandlerResult {
+    if plan.hangs(ctx) {
+        std::future::pending::<()>().await;
+    }
+    // Give concurrent duplicates a chance to meet the live lease.
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let verdict = plan.verdict(ctx)?;
+    ledger
+        .lock()
+        .unwrap()
+        .push((ctx.key.to_owned(), Plan::amount(ctx)));
+    Ok(verdict)
+}
+
+type Ledger = Arc<Mutex<Vec<(String, i64)>>>;
+
 /// A SQL store whose handler writes the ledger through the claim's transaction.
 pub struct SqlBackend<S> {
     store: S,
@@ -234,18 +282,8 @@ where
     }
 
     fn handler(&self, plan: Arc<Plan>) -> Box<dyn Handler<S::Tx>> {
-        let insert = Arc::clone(&self.insert);
-        Box::new(handler_fn(move |ctx: &Context<'_>, tx: &mut S::Tx| {
-            let plan = Arc::clone(&plan);
-            let insert = Arc::clone(&insert);
-            Box::pin(async move {
-                S::write(tx, &insert, ctx.key, Plan::amount(ctx)).await?;
-                if plan.hangs(ctx) {
-                    std::future::pending::<()>().await;
-                }
-                plan.verdict(ctx)
-            })
-        }))
+        let state = (plan, Arc::clone(&self.insert));
+        Box::new(StateFnHandler::new(state, sql_apply::<S>))
     }
 
     async fn ledger(&self) -> Vec<(String, i64)> {
@@ -300,24 +338,8 @@ impl Backend for MemoryBackend {
     }
 
     fn handler(&self, plan: Arc<Plan>) -> Box<dyn Handler<Lease>> {
-        let ledger = Arc::clone(&self.ledger);
-        Box::new(handler_fn(move |ctx: &Context<'_>, _lease: &mut Lease| {
-            let plan = Arc::clone(&plan);
-            let ledger = Arc::clone(&ledger);
-            Box::pin(async move {
-                if plan.hangs(ctx) {
-                    std::future::pending::<()>().await;
-                }
-                // Give concurrent duplicates a chance to meet the live lease.
-                tokio::time::sleep(Duration::from_millis(1)).await;
-                let verdict = plan.verdict(ctx)?;
-                ledger
-                    .lock()
-                    .unwrap()
-                    .push((ctx.key.to_owned(), Plan::amount(ctx)));
-                Ok(verdict)
-            })
-        }))
+        let state = (plan, Arc::clone(&self.ledger));
+        Box::new(StateFnHandler::new(state, lease_apply::<Lease>))
     }
 
     async fn ledger(&self) -> Vec<(String, i64)> {
@@ -366,24 +388,10 @@ impl Backend for RedisBackend {
     }
 
     fn handler(&self, plan: Arc<Plan>) -> Box<dyn Handler<idemq::store::redis::RedisLease>> {
-        let ledger = Arc::clone(&self.ledger);
-        Box::new(handler_fn(
-            move |ctx: &Context<'_>, _lease: &mut idemq::store::redis::RedisLease| {
-                let plan = Arc::clone(&plan);
-                let ledger = Arc::clone(&ledger);
-                Box::pin(async move {
-                    if plan.hangs(ctx) {
-                        std::future::pending::<()>().await;
-                    }
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                    let verdict = plan.verdict(ctx)?;
-                    ledger
-                        .lock()
-                        .unwrap()
-                        .push((ctx.key.to_owned(), Plan::amount(ctx)));
-                    Ok(verdict)
-                })
-            },
+        let state = (plan, Arc::clone(&self.ledger));
+        Box::new(StateFnHandler::new(
+            state,
+            lease_apply::<idemq::store::redis::RedisLease>,
         ))
     }
 

@@ -35,6 +35,10 @@ macro_rules! batch_suite {
                 crate::batch::the_first_copy_in_order_wins_across_batches::<$backend>(64).await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_retry_in_place_inside_a_batch_keeps_only_the_last_calls_writes() {
+                crate::batch::a_retry_in_place_inside_a_batch::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_crash_before_the_commit_applies_the_batch_once() {
                 crate::batch::a_crash_before_the_commit_applies_the_batch_once::<$backend>().await
             }
@@ -190,6 +194,44 @@ where
     reasons.sort();
     assert_eq!(reasons, ["permanent_failure", "retries_exhausted"]);
     assert_eq!(queue.acked(), 6);
+    backend.cleanup().await;
+}
+
+/// A retry in place inside a batch nests its savepoint in the member's:
+/// the failed calls' rows go, the batch's other members stay, and a member
+/// that fails every call in place still rolls back alone.
+pub async fn a_retry_in_place_inside_a_batch<B: Backend>()
+where
+    B::S: BatchStore,
+    <B::S as Store>::Tx: idemq::layers::Rewind,
+{
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let flaky = Message::new(r#"{"k":"flaky","amount":5,"fail":"retry","fail_times":2}"#);
+    let queue = queue_of([msg("a", 1), flaky, failing("poison", "retry"), msg("c", 3)]);
+    let consumer = consumer(&backend, "ledger", &plan)
+        .layer(idemq::layers::RetryLayer::new(3, Duration::from_millis(1)))
+        .build()
+        .unwrap();
+    let summary = consumer
+        .run_batched(queue.source(), options(10))
+        .await
+        .unwrap();
+    assert_eq!(summary.count(OutcomeKind::Processed), 3, "a, c, flaky");
+    assert_eq!(summary.count(OutcomeKind::DeadLettered), 1, "poison");
+    let mut ledger = backend.ledger().await;
+    ledger.sort();
+    assert_eq!(
+        ledger,
+        vec![("a".into(), 1), ("c".into(), 3), ("flaky".into(), 5)]
+    );
+    let poison = backend.store().inspect("ledger", "poison").await.unwrap();
+    assert_eq!(poison.dead_letters[0].reason, "retries_exhausted");
+    assert_eq!(
+        poison.dead_letters[0].attempts, 3,
+        "3 deliveries of 3 calls"
+    );
+    assert_eq!(queue.acked(), 4);
     backend.cleanup().await;
 }
 

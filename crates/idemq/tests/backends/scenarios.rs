@@ -70,6 +70,19 @@ macro_rules! suite {
             crate::scenarios::the_first_copy_in_order_wins::<$backend>(64).await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_retry_in_place_keeps_only_the_last_calls_writes() {
+            crate::scenarios::a_retry_in_place_keeps_only_the_last_calls_writes::<$backend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_handler_past_its_timeout_is_rolled_back_and_retried() {
+            crate::scenarios::a_handler_past_its_timeout_is_rolled_back_and_retried::<$backend>()
+                .await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn layers_wrap_the_handler_in_the_order_added() {
+            crate::scenarios::layers_wrap_the_handler_in_the_order_added::<$backend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_later_copy_never_overtakes_one_waiting_for_its_retry() {
             crate::scenarios::a_later_copy_never_overtakes_one_waiting_for_its_retry::<$backend>()
                 .await
@@ -513,6 +526,7 @@ pub async fn bad_input_is_dead_lettered_with_its_reason<B: Backend>() {
             msg("ignored", 1).with_header("event_id", vec![0xff, 0xfe]),
             Some("header_not_utf8"),
         ),
+        (failing("typed", "decode"), Some("undecodable_payload")),
         (msg(sneaky, 3), None),
         (msg("Order-1", 1), None),
         (msg("order-1", 1), None),
@@ -522,7 +536,7 @@ pub async fn bad_input_is_dead_lettered_with_its_reason<B: Backend>() {
     let builder =
         consumer(&backend, "ledger", &plan).key("header:event_id|json:/k".parse().unwrap());
     let summary = run::<B>(builder, &queue).await;
-    assert_eq!(summary.count(OutcomeKind::DeadLettered), 6);
+    assert_eq!(summary.count(OutcomeKind::DeadLettered), 7);
     assert_eq!(summary.count(OutcomeKind::Processed), 4);
     assert_eq!(queue.acked(), inputs.len() as u64, "nothing lost");
 
@@ -707,5 +721,156 @@ pub async fn a_later_copy_never_overtakes_one_waiting_for_its_retry<B: Backend>(
         })
         .count();
     assert_eq!(deferred, 1, "the later copy was nacked without claiming");
+    backend.cleanup().await;
+}
+
+/// A retryable failure retried in place ([`RetryLayer`]) keeps only the
+/// successful call's writes (the failed calls' ledger rows were rewound to
+/// the savepoint on SQL stores; lease stores write only on success) and
+/// counts no attempt in the store; what still fails after the layer's calls
+/// goes back to the retry policy and is redelivered.
+pub async fn a_retry_in_place_keeps_only_the_last_calls_writes<B: Backend>()
+where
+    <B::S as idemq::store::Store>::Tx: idemq::layers::Rewind,
+{
+    use idemq::layers::RetryLayer;
+    use std::sync::atomic::Ordering;
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let flaky = Message::new(r#"{"k":"flaky","amount":5,"fail":"retry","fail_times":2}"#);
+    let stubborn = Message::new(r#"{"k":"stubborn","amount":7,"fail":"retry","fail_times":4}"#);
+    let queue = queue_of([flaky, stubborn, msg("steady", 1)]);
+    let builder =
+        consumer(&backend, "ledger", &plan).layer(RetryLayer::new(3, Duration::from_millis(1)));
+    let summary = run::<B>(builder, &queue).await;
+
+    assert_eq!(summary.count(OutcomeKind::Processed), 3);
+    assert_eq!(
+        summary.count(OutcomeKind::RetryLater),
+        1,
+        "stubborn failed all 3 calls of its first delivery, then passed on the 2nd call of its second"
+    );
+    assert_eq!(plan.calls.load(Ordering::SeqCst), 3 + 5 + 1);
+    assert_eq!(
+        backend.ledger().await,
+        vec![
+            ("flaky".to_owned(), 5),
+            ("steady".to_owned(), 1),
+            ("stubborn".to_owned(), 7)
+        ],
+        "one row per message: the failed calls' writes were rewound"
+    );
+    let report = backend.store().inspect("ledger", "flaky").await.unwrap();
+    assert!(report.inbox.is_some());
+    assert!(report.attempts.is_none());
+    backend.cleanup().await;
+}
+
+/// A user's layers wrap the handler in the order added (the first added is
+/// the outermost); a layer that refuses a call (a circuit breaker) keeps it
+/// from the handler, and its error is handled like the handler's own.
+pub async fn layers_wrap_the_handler_in_the_order_added<B: Backend>() {
+    use futures_util::future::BoxFuture;
+    use idemq::layers::Layer;
+    use idemq::{Context, Handler, HandlerError, HandlerResult};
+
+    /// Records its name on every call; refuses (permanently) keys named `refuse-<name>`.
+    struct Gate<H> {
+        name: &'static str,
+        log: Arc<Mutex<Vec<&'static str>>>,
+        inner: H,
+    }
+    impl<Tx: Send + 'static, H: Handler<Tx>> Handler<Tx> for Gate<H> {
+        fn handle<'a>(
+            &'a self,
+            ctx: &'a Context<'a>,
+            tx: &'a mut Tx,
+        ) -> BoxFuture<'a, HandlerResult> {
+            self.log.lock().unwrap().push(self.name);
+            if ctx.key == format!("refuse-{}", self.name) {
+                return Box::pin(async move {
+                    Err(HandlerError::permanent(format!("{} is open", self.name)))
+                });
+            }
+            self.inner.handle(ctx, tx)
+        }
+    }
+    struct GateLayer(&'static str, Arc<Mutex<Vec<&'static str>>>);
+    impl<H> Layer<H> for GateLayer {
+        type Service = Gate<H>;
+        fn layer(&self, inner: H) -> Gate<H> {
+            Gate {
+                name: self.0,
+                log: Arc::clone(&self.1),
+                inner,
+            }
+        }
+    }
+
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let builder = consumer(&backend, "ledger", &plan)
+        .layer(GateLayer("outer", Arc::clone(&log)))
+        .layer(GateLayer("inner", Arc::clone(&log)))
+        .concurrency(1);
+    let queue = queue_of([msg("a", 1), msg("refuse-inner", 2), msg("b", 3)]);
+    let summary = run::<B>(builder, &queue).await;
+
+    assert_eq!(
+        *log.lock().unwrap(),
+        ["outer", "inner", "outer", "inner", "outer", "inner"]
+    );
+    assert_eq!(summary.count(OutcomeKind::Processed), 2);
+    assert_eq!(summary.count(OutcomeKind::DeadLettered), 1);
+    assert_eq!(
+        plan.calls.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "the refused call never reached the handler"
+    );
+    let refused = backend
+        .store()
+        .inspect("ledger", "refuse-inner")
+        .await
+        .unwrap();
+    assert_eq!(refused.dead_letters[0].reason, "permanent_failure");
+    assert!(refused.dead_letters[0].error.contains("inner is open"));
+    assert_eq!(
+        backend.ledger().await,
+        vec![("a".to_owned(), 1), ("b".to_owned(), 3)]
+    );
+    backend.cleanup().await;
+}
+
+/// A call past the handler timeout fails retryably: its writes are rolled
+/// back with its dropped future, and the redelivery applies the message once.
+pub async fn a_handler_past_its_timeout_is_rolled_back_and_retried<B: Backend>() {
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let (seen, hook) = recorder();
+    let hung = Message::new(r#"{"k":"slow","amount":4,"fail":"hang"}"#);
+    let builder = consumer(&backend, "ledger", &plan)
+        .handler_timeout(Duration::from_millis(200))
+        .on_outcome(hook);
+    let queue = queue_of([hung, msg("quick", 1)]);
+    let summary = run::<B>(builder, &queue).await;
+
+    assert_eq!(summary.count(OutcomeKind::Processed), 2);
+    assert_eq!(summary.count(OutcomeKind::RetryLater), 1);
+    let timed_out = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .find_map(|o| match o {
+            Outcome::RetryLater { error, .. } => Some(error.clone()),
+            _ => None,
+        })
+        .expect("a retry");
+    assert!(timed_out.contains("timed out after 200ms"), "{timed_out}");
+    assert_eq!(
+        backend.ledger().await,
+        vec![("quick".to_owned(), 1), ("slow".to_owned(), 4)],
+        "the timed-out call's write was rolled back"
+    );
     backend.cleanup().await;
 }

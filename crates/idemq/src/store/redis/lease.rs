@@ -76,6 +76,9 @@ impl DropRelease {
     }
 }
 
+/// A lease holds no writes: a retry in place has nothing to undo.
+impl crate::engine::layers::Rewind for RedisLease {}
+
 impl RedisLease {
     /// The key's fencing number: it rises with every acquisition of this key
     /// (per consumer), so a downstream system can refuse writes carrying a

@@ -16,6 +16,7 @@ mod batch;
 pub mod database;
 mod journal;
 pub mod queries;
+mod rewind;
 mod store;
 
 #[cfg(feature = "mysql")]

@@ -15,6 +15,10 @@ use super::{Dialect, Queries, SqlOptions, SqlStore};
 /// key was claimed. Keys compare byte-for-byte (`utf8mb4_bin`).
 pub type MySqlStore = SqlStore<sqlx::MySql>;
 
+/// The transaction a [`MySqlStore`] hands to a handler: write the effects
+/// through it, and they commit with the claim.
+pub type MySqlTx = sqlx::Transaction<'static, sqlx::MySql>;
+
 impl SqlDatabase for sqlx::MySql {
     const DIALECT: Dialect = Dialect::MySql;
 

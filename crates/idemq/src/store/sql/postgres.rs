@@ -12,6 +12,10 @@ use super::{Dialect, Queries, SqlOptions, SqlStore};
 /// `sqlx::Transaction<'static, Postgres>` in which the key was claimed.
 pub type PostgresStore = SqlStore<sqlx::Postgres>;
 
+/// The transaction a [`PostgresStore`] hands to a handler: write the effects
+/// through it, and they commit with the claim.
+pub type PostgresTx = sqlx::Transaction<'static, sqlx::Postgres>;
+
 impl SqlDatabase for sqlx::Postgres {
     const DIALECT: Dialect = Dialect::Postgres;
 

@@ -20,6 +20,10 @@ use super::{Dialect, Queries, SqlOptions, SqlStore};
 /// each other through the busy timeout.
 pub type SqliteStore = SqlStore<sqlx::Sqlite>;
 
+/// The transaction a [`SqliteStore`] hands to a handler: write the effects
+/// through it, and they commit with the claim.
+pub type SqliteTx = sqlx::Transaction<'static, sqlx::Sqlite>;
+
 impl SqlDatabase for sqlx::Sqlite {
     const DIALECT: Dialect = Dialect::Sqlite;
 

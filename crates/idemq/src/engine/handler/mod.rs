@@ -1,4 +1,5 @@
-//! Handlers: the user's code that applies a message's effects.
+//! Handlers: the user's code that applies a message's effects, the forms
+//! it can take (`functions`) and the layers around it (`layers`).
 
 use std::future::Future;
 
@@ -6,8 +7,15 @@ use futures_util::future::BoxFuture;
 use uuid::Uuid;
 
 use crate::effect::EffectJournal;
-use crate::error::HandlerError;
+use crate::error::{HandlerError, InputError};
 use crate::message::{DeliveryMeta, Message};
+
+mod functions;
+pub mod layers;
+
+pub use functions::{
+    handler_fn, AsyncFnHandler, AsyncHandlerFn, FnHandler, StateFnHandler, StateHandlerFn,
+};
 
 /// What a handler returns: an optional result to store with the key (given
 /// back on every duplicate), or an error that says whether a retry can help.
@@ -49,6 +57,30 @@ impl std::fmt::Debug for Context<'_> {
 }
 
 impl Context<'_> {
+    /// The payload decoded from JSON to `T`. A payload that does not decode
+    /// is the message's fault: the error is
+    /// [`invalid input`](crate::HandlerErrorKind::InvalidInput), and `?`
+    /// dead-letters the message at once with the reason `undecodable_payload`.
+    ///
+    /// ```
+    /// # use idemq::{Context, HandlerResult};
+    /// #[derive(serde::Deserialize)]
+    /// struct Payment { amount: i64 }
+    ///
+    /// async fn charge(ctx: &Context<'_>, _lease: &mut idemq::store::memory::Lease) -> HandlerResult {
+    ///     let payment: Payment = ctx.decode()?;
+    ///     Ok(Some(serde_json::json!({ "charged": payment.amount })))
+    /// }
+    /// ```
+    pub fn decode<T: serde::de::DeserializeOwned>(&self) -> Result<T, HandlerError> {
+        serde_json::from_slice(&self.message.payload).map_err(|e| {
+            HandlerError::invalid_input(InputError::Undecodable {
+                type_name: std::any::type_name::<T>(),
+                error: e.to_string(),
+            })
+        })
+    }
+
     /// The idempotency key of `step` for this message: the same on every
     /// redelivery and in every process, for the same consumer, key and step;
     /// different for different steps. Send it to the other system so that
@@ -111,35 +143,6 @@ impl Context<'_> {
 pub trait Handler<Tx>: Send + Sync + 'static {
     /// Handles one message.
     fn handle<'a>(&'a self, ctx: &'a Context<'a>, tx: &'a mut Tx) -> BoxFuture<'a, HandlerResult>;
-}
-
-/// A [`Handler`] made from a closure returning a boxed future.
-pub struct FnHandler<F>(pub F);
-
-impl<Tx, F> Handler<Tx> for FnHandler<F>
-where
-    F: for<'a> Fn(&'a Context<'a>, &'a mut Tx) -> BoxFuture<'a, HandlerResult>
-        + Send
-        + Sync
-        + 'static,
-{
-    fn handle<'a>(&'a self, ctx: &'a Context<'a>, tx: &'a mut Tx) -> BoxFuture<'a, HandlerResult> {
-        (self.0)(ctx, tx)
-    }
-}
-
-/// Makes a [`Handler`] from a closure `|ctx, tx| Box::pin(async move { … })`.
-///
-/// Writing the closure as the argument of this function lets Rust infer
-/// its higher-ranked signature.
-pub fn handler_fn<Tx, F>(f: F) -> FnHandler<F>
-where
-    F: for<'a> Fn(&'a Context<'a>, &'a mut Tx) -> BoxFuture<'a, HandlerResult>
-        + Send
-        + Sync
-        + 'static,
-{
-    FnHandler(f)
 }
 
 impl<Tx, H> Handler<Tx> for Box<H>
