@@ -10,6 +10,7 @@
 #                               offset-watermark mode (Kafka) × PostgreSQL
 #   scripts/chaos.sh --full     every source × every store (32 cells), plus
 #                               the batch and watermark cells × every SQL store
+#                               and the batch cells × Redis (lease batches)
 #   scripts/chaos.sh --cells 'jsonl:sqlite amqp:redis kafka:mysql:watermark'
 #                               chosen cells (SOURCE:STORE[:batch|:watermark])
 #
@@ -123,6 +124,7 @@ if [ -z "$cells" ]; then
     for st in sqlite postgres mysql; do
       cells="$cells jsonl:$st:batch amqp:$st:batch kafka:$st:watermark"
     done
+    cells="$cells jsonl:redis:batch amqp:redis:batch"
   else
     for so in $SOURCES; do cells="$cells $so:postgres"; done
     for st in sqlite mysql redis; do cells="$cells jsonl:$st amqp:$st"; done
