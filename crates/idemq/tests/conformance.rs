@@ -543,8 +543,10 @@ async fn competing_consumers_apply_each_once(id: &str) {
     slowed(&mut w.messages, 300);
     let sources = bench.sources_with(2, &w.messages).await;
     let logs: Vec<Deliveries> = sources.iter().map(|_| Deliveries::default()).collect();
+    let meeting = Rendezvous::of(sources.len());
     let runs: Vec<Running> = sources
         .into_iter()
+        .map(|source| meeting.wrap(source))
         .zip(&logs)
         .map(|(source, log)| {
             let consumer = Tally::default().build(
@@ -596,6 +598,78 @@ async fn competing_consumers_apply_each_once(id: &str) {
         );
     }
     ledger.cleanup().await;
+}
+
+/// Holds each consumer's first delivery until every consumer of a
+/// [`competing_consumers_apply_each_once`] run has received one (or
+/// [`RENDEZVOUS`] passed). Without it, "both consumers do work" is a race
+/// against the broker's group join: under CI load a Kafka rebalance can take
+/// longer than the whole workload, and the first member then applies
+/// everything. With it, the first member's partitions are revoked while its
+/// first delivery is still unsettled (after the source's revoke grace), so
+/// the run also crosses a rebalance with work in flight.
+#[derive(Clone)]
+struct Rendezvous {
+    arrived: Arc<std::sync::atomic::AtomicUsize>,
+    expected: usize,
+}
+
+/// How long [`Rendezvous`] waits for the other consumers before it lets a
+/// consumer go on alone (the assertion that both did work then decides).
+const RENDEZVOUS: Duration = Duration::from_secs(30);
+
+impl Rendezvous {
+    fn of(expected: usize) -> Self {
+        Self {
+            arrived: Arc::default(),
+            expected,
+        }
+    }
+
+    fn wrap<S: Source>(&self, inner: S) -> Met<S> {
+        Met {
+            inner,
+            meeting: self.clone(),
+            met: false,
+        }
+    }
+}
+
+/// A source behind a [`Rendezvous`].
+struct Met<S> {
+    inner: S,
+    meeting: Rendezvous,
+    met: bool,
+}
+
+#[async_trait::async_trait]
+impl<S: Source> Source for Met<S> {
+    async fn next(&mut self) -> Result<Option<idemq::source::Delivery>, idemq::SourceError> {
+        let delivery = self.inner.next().await?;
+        if !self.met && delivery.is_some() {
+            self.met = true;
+            let arrived = self.meeting.arrived.fetch_add(1, Ordering::SeqCst) + 1;
+            let (meeting, expected) = (self.meeting.arrived.clone(), self.meeting.expected);
+            if arrived < expected {
+                support::wait_until(RENDEZVOUS, || meeting.load(Ordering::SeqCst) >= expected)
+                    .await;
+            }
+        }
+        Ok(delivery)
+    }
+
+    // A wrapper forwards what the engine tells the source (see `Source`).
+    async fn close(&mut self) {
+        self.inner.close().await
+    }
+
+    async fn resume_from(&mut self, lookup: Arc<dyn idemq::source::OffsetLookup>) {
+        self.inner.resume_from(lookup).await
+    }
+
+    fn settle_out_of_order(&mut self, per_partition: usize) {
+        self.inner.settle_out_of_order(per_partition)
+    }
 }
 
 /// Record keys × messages, each message with a business key of its own and
