@@ -7,12 +7,14 @@
 #                               plus the JSON-lines file × every other store
 #                               and RabbitMQ × every other store, plus batch
 #                               mode (JSON lines, RabbitMQ) and
-#                               offset-watermark mode (Kafka) × PostgreSQL
+#                               offset-watermark mode (Kafka) × PostgreSQL,
+#                               and watermark mode with concurrent records
+#                               (Kafka) × MariaDB
 #   scripts/chaos.sh --full     every source × every store (32 cells), plus
-#                               the batch and watermark cells × every SQL store
+#                               the batch and both watermark cells × every SQL store
 #                               and the batch cells × Redis (lease batches)
 #   scripts/chaos.sh --cells 'jsonl:sqlite amqp:redis kafka:mysql:watermark'
-#                               chosen cells (SOURCE:STORE[:batch|:watermark])
+#                               chosen cells (SOURCE:STORE[:batch|:watermark|:concurrent])
 #
 # Four cells also restart their database or broker once mid-run (see
 # restart_args; CHAOS_RESTARTS=0 turns that off).
@@ -102,6 +104,7 @@ mode_args() {
     "") ;;
     batch) echo "--batch 20" ;;
     watermark) echo "--watermark" ;;
+    concurrent) echo "--watermark --concurrent-records" ;;
     *) echo "chaos.sh: unknown mode $1" >&2; return 1 ;;
   esac
 }
@@ -122,13 +125,14 @@ if [ -z "$cells" ]; then
   if [ "$mode" = full ]; then
     for st in $STORES; do for so in $SOURCES; do cells="$cells $so:$st"; done; done
     for st in sqlite postgres mysql; do
-      cells="$cells jsonl:$st:batch amqp:$st:batch kafka:$st:watermark"
+      cells="$cells jsonl:$st:batch amqp:$st:batch kafka:$st:watermark kafka:$st:concurrent"
     done
     cells="$cells jsonl:redis:batch amqp:redis:batch"
   else
     for so in $SOURCES; do cells="$cells $so:postgres"; done
     for st in sqlite mysql redis; do cells="$cells jsonl:$st amqp:$st"; done
     cells="$cells jsonl:postgres:batch amqp:postgres:batch kafka:postgres:watermark"
+    cells="$cells kafka:mysql:concurrent"
   fi
 fi
 

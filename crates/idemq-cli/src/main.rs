@@ -276,6 +276,14 @@ struct ConsumeArgs {
     #[arg(long, requires = "watermark")]
     dedup_keys: bool,
 
+    /// Offset-watermark mode: apply up to --concurrency records of one
+    /// partition at once (records of one record key still in order); the
+    /// watermark moves only to the highest contiguous settled offset, and
+    /// each record also leaves an inbox row of its position (prune it as
+    /// usual).
+    #[arg(long, requires = "watermark")]
+    concurrent_records: bool,
+
     /// Keep up to N recently completed keys in memory and answer their
     /// duplicates without a store round trip (0: off).
     #[arg(long, default_value_t = 0, value_name = "N")]

@@ -98,6 +98,7 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
         None if args.watermark => {
             let options = WatermarkOptions {
                 dedup_keys: args.dedup_keys,
+                concurrent_records: args.concurrent_records,
             };
             B::run_watermarked(&consumer, source, options, Box::pin(interrupt.wait()))
                 .await

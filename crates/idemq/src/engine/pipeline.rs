@@ -209,7 +209,10 @@ impl<S: Store> Consumer<S> {
         for member in unit {
             let outcome = match member.outcome {
                 Some(Outcome::DeadLettered { key, reason, error }) => {
-                    match mode.after_dead_letter(self, &member.meta).await {
+                    match mode
+                        .after_dead_letter(self, &member.meta, &*member.acker)
+                        .await
+                    {
                         Ok(()) => Outcome::DeadLettered { key, reason, error },
                         Err(e) => self.busy(key, format!("moving the watermark failed: {e}")),
                     }
@@ -258,6 +261,7 @@ impl<S: Store> Consumer<S> {
                     lease: inner.lease,
                 },
                 meta: &members[l.member].meta,
+                acker: &*members[l.member].acker,
             })
             .collect();
         let mut unit = mode.open(self, careful);

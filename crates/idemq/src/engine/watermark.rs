@@ -15,13 +15,20 @@
 //! the inbox keeps one row per key again (prune it as usual).
 //!
 //! The mode needs deliveries that carry a topic, a partition and an offset
-//! and arrive in offset order within a partition, one at a time: the
-//! watermark moves to the highest offset applied, so a later record must
-//! never commit before an earlier one. The Kafka source hands out one
-//! unsettled record per partition here (this mode never asks it for more,
-//! see [`Source::settle_out_of_order`]). A delivery without them is
-//! dead-lettered as invalid input. A dead-lettered record also moves the
-//! watermark, so a re-read does not dead-letter it again.
+//! (a delivery without them is dead-lettered as invalid input). By default
+//! they arrive in offset order within a partition, one at a time: the
+//! watermark moves past each record as it commits, and a claim holds the
+//! partition's watermark row until its transaction ends. With
+//! [`WatermarkOptions::concurrent_records`], a source that tracks its
+//! partitions ([`Contiguity::Tracked`], Kafka) hands out several records of
+//! a partition at once — records of one record key still in offset order
+//! — and each commit moves the watermark only to the partition's
+//! contiguous position, never past a record still unsettled; a record that
+//! commits above it is remembered by an inbox row of its position
+//! (`topic-partition@offset`), which a later claim of the same record
+//! finds (or waits for, while another transaction holds it). A
+//! dead-lettered record is marked applied the same way, so a re-read does
+//! not dead-letter it again.
 //!
 //! Before the run, the source gets the watermarks ([`Source::resume_from`]):
 //! the Kafka source starts each partition it is assigned at the partition's
@@ -43,6 +50,8 @@ use super::run::{Direct, Units};
 use super::unit::offsets::Watermark;
 use crate::error::{SourceError, StoreError};
 use crate::outcome::{Outcome, Summary};
+#[cfg(doc)]
+use crate::source::Contiguity;
 use crate::source::{Delivery, OffsetLookup, Source};
 use crate::store::OffsetStore;
 
@@ -52,6 +61,15 @@ pub struct WatermarkOptions {
     /// Also claim the business key in the same transaction, to catch
     /// producer retries (new offset, same key). Off by default.
     pub dedup_keys: bool,
+    /// Apply several records of one partition at once (records of one
+    /// record key still one after the other, in offset order), where the
+    /// source tracks its partitions' unsettled records (Kafka). The
+    /// watermark then moves only to the partition's *contiguous* position —
+    /// every record below it settled — and each record also claims its
+    /// position in the inbox, so one committed above the watermark is not
+    /// applied again. The state is then one inbox row per record (prune it
+    /// as usual), not one row per partition. Off by default.
+    pub concurrent_records: bool,
 }
 
 /// The watermarks of one consumer, as the source looks them up when

@@ -54,6 +54,31 @@ pub trait Acknowledger: Send + Sync {
         let _ = reason;
         self.ack().await
     }
+
+    /// For a record of a partitioned log: where the partition's contiguous
+    /// position would stand if this delivery settled now (see
+    /// [`Contiguity`]). Offset-watermark mode stores that position, so it
+    /// never moves past a record still unsettled. The default,
+    /// [`Contiguity::InOrder`], says the source hands out one unsettled
+    /// record per partition, in offset order.
+    fn contiguity(&self) -> Contiguity {
+        Contiguity::InOrder
+    }
+}
+
+/// How a delivery's partition stands, for offset-watermark mode
+/// ([`Acknowledger::contiguity`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Contiguity {
+    /// The source hands out one unsettled record per partition, in offset
+    /// order: once this one settles, the partition's position is just past it.
+    InOrder,
+    /// The source tracks its partition's unsettled records and hands out
+    /// several at once: the position (every record below it settled, or
+    /// this one) if this one settled now; `None` when the partition is no
+    /// longer this source's (revoked), so nothing may be said of it.
+    Tracked(Option<i64>),
 }
 
 /// One delivery of a message: the message, where it came from, and the means to settle it.
@@ -167,7 +192,10 @@ pub trait Source: Send {
     /// one unsettled delivery per partition to keep the partition's order
     /// (Kafka) may then hand out up to `per_partition` at once; it must
     /// still never commit past an unsettled delivery. The offset-watermark
-    /// mode, which relies on partition order, never calls it. The default
+    /// mode calls it too; a source that then hands out several records of
+    /// a partition at once must say so in its ackers'
+    /// [`Acknowledger::contiguity`] ([`Contiguity::Tracked`]), else the
+    /// watermark would move past records still unsettled. The default
     /// ignores it; wrappers should forward it.
     fn settle_out_of_order(&mut self, per_partition: usize) {
         let _ = per_partition;

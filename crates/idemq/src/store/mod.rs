@@ -351,14 +351,19 @@ pub enum OffsetClaim<Tx> {
 /// offset-watermark mode, O(partitions) rather than O(messages).
 #[async_trait]
 pub trait OffsetStore: Store {
-    /// Opens a transaction, locks the partition's watermark and answers
-    /// whether `offset` is still to be applied.
+    /// Opens a transaction and answers whether `offset` is still to be
+    /// applied (below the partition's watermark it is not). With
+    /// `lock_partition` the transaction holds the partition's watermark row
+    /// until it ends, so the partition's records apply one at a time; without
+    /// it, records of one partition apply concurrently and the caller claims
+    /// each record's position itself ([`claim_key_in`](Self::claim_key_in)).
     async fn claim_offset(
         &self,
         consumer: &str,
         topic: &str,
         partition: i32,
         offset: i64,
+        lock_partition: bool,
     ) -> Result<OffsetClaim<Self::Tx>, StoreError>;
 
     /// Inside an offset claim's transaction, claims the business key too
@@ -370,15 +375,15 @@ pub trait OffsetStore: Store {
         req: &ClaimRequest<'_>,
     ) -> Result<Option<InboxRecord>, StoreError>;
 
-    /// Moves the watermark past `offset` (never back), stores the key's
-    /// result if a key was claimed, and commits.
+    /// Moves the watermark to `next_offset` (never back; `None` leaves it),
+    /// stores the key's result if a key was claimed, and commits.
     async fn commit_offset(
         &self,
         tx: Self::Tx,
         consumer: &str,
         topic: &str,
         partition: i32,
-        offset: i64,
+        next_offset: Option<i64>,
         key: Option<(&ClaimRequest<'_>, Option<&serde_json::Value>)>,
     ) -> Result<(), StoreError>;
 

@@ -393,6 +393,11 @@ impl Acknowledger for Swallowed {
         self.hold();
         Ok(())
     }
+    fn contiguity(&self) -> idemq::source::Contiguity {
+        self.real
+            .as_ref()
+            .map_or(idemq::source::Contiguity::InOrder, |real| real.contiguity())
+    }
 }
 
 #[async_trait]

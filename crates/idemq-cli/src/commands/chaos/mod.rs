@@ -132,6 +132,12 @@ pub struct ChaosArgs {
     #[arg(long, conflicts_with = "batch")]
     watermark: bool,
 
+    /// With --watermark: workers apply several records of a partition at
+    /// once (`consume --concurrent-records`), so kills land between
+    /// out-of-order commits.
+    #[arg(long, requires = "watermark")]
+    concurrent_records: bool,
+
     /// Lease of the Redis store's claims (short, so a killed holder's keys free up soon).
     #[arg(long, default_value = "2s", value_name = "DURATION", value_parser = humantime::parse_duration)]
     lease: Duration,
@@ -359,6 +365,7 @@ fn source_label(endpoint: &Endpoint) -> String {
 fn mode_label(args: &ChaosArgs) -> String {
     match (args.batch, args.watermark) {
         (Some(n), _) => format!("/batch{n}"),
+        (None, true) if args.concurrent_records => "/watermark-concurrent".to_owned(),
         (None, true) => "/watermark".to_owned(),
         (None, false) => String::new(),
     }
@@ -560,6 +567,9 @@ impl CellRun<'_> {
             }
             if args.watermark {
                 cmd.args(["--watermark", "--dedup-keys"]);
+                if args.concurrent_records {
+                    cmd.arg("--concurrent-records");
+                }
             }
         } else {
             let lease = humantime::format_duration(args.lease).to_string();

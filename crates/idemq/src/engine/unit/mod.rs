@@ -16,6 +16,7 @@ use async_trait::async_trait;
 use super::consumer::{Consumer, Identity};
 use crate::error::{InputError, StoreError};
 use crate::message::DeliveryMeta;
+use crate::source::Acknowledger;
 use crate::store::{ClaimRequest, InboxRecord, Store};
 
 pub(crate) mod leases;
@@ -25,12 +26,14 @@ pub(crate) mod single;
 
 /// One member of a unit as its store sees it: the claim and where the
 /// delivery came from.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub(crate) struct Claimant<'a> {
     /// The key (or record) to claim.
     pub(crate) req: ClaimRequest<'a>,
     /// Where the delivery came from (the offset claim reads its position).
     pub(crate) meta: &'a DeliveryMeta,
+    /// Its settlement: the offset claim asks it how the partition stands.
+    pub(crate) acker: &'a dyn Acknowledger,
 }
 
 /// How a member's claim stands.
@@ -143,6 +146,7 @@ pub(crate) trait Mode<S: Store>: Send + Sync {
         &self,
         _consumer: &Consumer<S>,
         _meta: &DeliveryMeta,
+        _acker: &dyn Acknowledger,
     ) -> Result<(), StoreError> {
         Ok(())
     }

@@ -15,7 +15,7 @@ use super::source::{KafkaConsumer, Shared};
 use super::{broker, DEAD_LETTER_REASON_HEADER};
 use crate::error::SourceError;
 use crate::outcome::DeadLetterReason;
-use crate::source::Acknowledger;
+use crate::source::{Acknowledger, Contiguity};
 
 /// Settles one Kafka delivery: see the [module docs](super).
 pub(super) struct KafkaAcker {
@@ -196,6 +196,22 @@ impl Acknowledger for KafkaAcker {
             }
         }
         (*self).settle().await
+    }
+
+    /// Tracked: the records of a partition may be handed out several at
+    /// once ([`Source::settle_out_of_order`](crate::source::Source::settle_out_of_order)).
+    fn contiguity(&self) -> Contiguity {
+        let Some(record) = &self.record else {
+            return Contiguity::Tracked(None);
+        };
+        let state = self.shared.state();
+        Contiguity::Tracked(
+            state
+                .partitions
+                .get(&self.partition)
+                .filter(|p| p.generation == self.generation && !p.revoking)
+                .map(|p| p.position_if_settled(record.offset)),
+        )
     }
 }
 

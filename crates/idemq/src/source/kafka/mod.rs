@@ -25,7 +25,10 @@
 //!   ([`Source::settle_out_of_order`]): then up to that many records of one
 //!   partition are in flight at once, different keys concurrently, copies of
 //!   one key in offset order — Confluent's parallel consumer, by key. Batch
-//!   and offset-watermark modes keep one per partition. The rest of a
+//!   mode asks the same; offset-watermark mode asks only with
+//!   `concurrent_records`, and then stores the contiguous position its
+//!   ackers report ([`Acknowledger::contiguity`](crate::source::Acknowledger::contiguity)),
+//!   else it keeps one per partition. The rest of a
 //!   partition waits in a buffer (the partition is paused when the buffer
 //!   grows past [`KafkaConfig::max_buffered`]); different partitions are
 //!   processed concurrently.

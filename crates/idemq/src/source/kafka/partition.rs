@@ -99,25 +99,31 @@ impl Partition {
         Err(waiting)
     }
 
+    /// The partition's contiguous position if `offset` (in flight) settled
+    /// now: the lowest *other* offset still unsettled (in flight, waiting
+    /// for a retry, or buffered), else one past the highest settled one.
+    pub(super) fn position_if_settled(&self, offset: i64) -> i64 {
+        let lowest_other = self
+            .in_flight
+            .keys()
+            .copied()
+            .filter(|o| *o != offset)
+            .chain(self.retries.keys().map(|(_, o)| *o))
+            .chain(self.buffer.front().map(|r| r.offset))
+            .min();
+        let high = self.highest_settled.map_or(offset, |h| h.max(offset));
+        lowest_other.map_or(high + 1, |low| low.min(high + 1))
+    }
+
     /// Marks `offset` settled and, if the partition's contiguous position
     /// moved past what was committed, makes it the next one to commit: the
     /// lowest offset still unsettled (in flight, waiting for a retry, or
     /// still buffered behind an earlier record of its key), else one past
     /// the highest settled offset.
     pub(super) fn settle(&mut self, offset: i64) {
+        let position = self.position_if_settled(offset);
         self.in_flight.remove(&offset);
         self.highest_settled = Some(self.highest_settled.map_or(offset, |h| h.max(offset)));
-        let lowest_unsettled = self
-            .in_flight
-            .keys()
-            .copied()
-            .chain(self.retries.keys().map(|(_, o)| *o))
-            .chain(self.buffer.front().map(|r| r.offset))
-            .min();
-        let Some(high) = self.highest_settled else {
-            return;
-        };
-        let position = lowest_unsettled.map_or(high + 1, |low| low.min(high + 1));
         let ahead = |known: Option<i64>| known.is_none_or(|k| position > k);
         if ahead(self.committed) && ahead(self.uncommitted) {
             self.uncommitted = Some(position);
@@ -229,6 +235,25 @@ mod tests {
         assert_eq!(hand_out(&mut p, 8), Some(3));
         p.settle(3);
         assert_eq!(p.uncommitted, Some(5), "everything up to c@4 settled");
+    }
+
+    #[test]
+    fn the_position_if_settled_never_passes_another_unsettled_record() {
+        let mut p = partition_with(0..5);
+        for _ in 0..3 {
+            hand_out(&mut p, 8);
+        }
+        assert_eq!(p.position_if_settled(1), 0, "0 is still in flight");
+        assert_eq!(p.position_if_settled(0), 1, "1 is still in flight");
+        p.settle(1);
+        p.settle(2);
+        assert_eq!(p.position_if_settled(0), 3, "3 is buffered");
+        hand_out(&mut p, 8);
+        hand_out(&mut p, 8);
+        p.settle(3);
+        assert_eq!(p.position_if_settled(4), 0, "0 is still in flight");
+        p.settle(0);
+        assert_eq!(p.position_if_settled(4), 5, "everything else settled");
     }
 
     #[test]

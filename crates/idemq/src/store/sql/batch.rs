@@ -158,20 +158,27 @@ impl<DB: SqlDatabase> BatchStore for SqlStore<DB> {
 }
 
 impl<DB: SqlDatabase> SqlStore<DB> {
-    /// Locks the partition's offset row in `tx`; its next offset, if it exists.
-    async fn lock_offset(
+    /// Reads the partition's offset row in `tx`, locking it with `lock`;
+    /// its next offset, if it exists.
+    async fn read_offset(
         &self,
         tx: &mut DB::Connection,
         consumer: &str,
         topic: &str,
         partition: i32,
+        lock: bool,
     ) -> Result<Option<i64>, StoreError> {
         let binds = [
             Bind::Text(consumer),
             Bind::Text(topic),
             Bind::Int(i64::from(partition)),
         ];
-        let rows = DB::fetch(tx, &self.queries.offset_lock, &binds, &[Column::Int])
+        let sql = if lock {
+            &self.queries.offset_lock
+        } else {
+            &self.queries.offset_select
+        };
+        let rows = DB::fetch(tx, sql, &binds, &[Column::Int])
             .await
             .map_err(store_error)?;
         rows.first()
@@ -189,13 +196,14 @@ impl<DB: SqlDatabase> OffsetStore for SqlStore<DB> {
         topic: &str,
         partition: i32,
         offset: i64,
+        lock_partition: bool,
     ) -> Result<OffsetClaim<Self::Tx>, StoreError> {
         let mut tx = self.pool.begin().await.map_err(store_error)?;
-        // Lock the partition's row; only the first claim of a partition ever
-        // finds none and creates it (one round trip per message in the
-        // steady state, not two).
+        // Read (and lock) the partition's row; only the first claim of a
+        // partition ever finds none and creates it (one round trip per
+        // message in the steady state, not two).
         let mut next_offset = self
-            .lock_offset(&mut tx, consumer, topic, partition)
+            .read_offset(&mut tx, consumer, topic, partition, lock_partition)
             .await?;
         if next_offset.is_none() {
             // Create the row outside this transaction, then lock it in a new
@@ -212,7 +220,7 @@ impl<DB: SqlDatabase> OffsetStore for SqlStore<DB> {
             Self::execute_on(&self.pool, &self.queries.offset_ensure, &binds).await?;
             tx = self.pool.begin().await.map_err(store_error)?;
             next_offset = self
-                .lock_offset(&mut tx, consumer, topic, partition)
+                .read_offset(&mut tx, consumer, topic, partition, lock_partition)
                 .await?;
         }
         let next_offset = next_offset.ok_or_else(|| {
@@ -250,21 +258,22 @@ impl<DB: SqlDatabase> OffsetStore for SqlStore<DB> {
         consumer: &str,
         topic: &str,
         partition: i32,
-        offset: i64,
+        next_offset: Option<i64>,
         key: Option<(&ClaimRequest<'_>, Option<&serde_json::Value>)>,
     ) -> Result<(), StoreError> {
-        let next = offset.saturating_add(1);
-        let binds = [
-            Bind::Int(next),
-            Bind::Int(next),
-            Bind::Int(now_ms()),
-            Bind::Text(consumer),
-            Bind::Text(topic),
-            Bind::Int(i64::from(partition)),
-        ];
-        DB::execute(&mut tx, &self.queries.offset_advance, &binds)
-            .await
-            .map_err(store_error)?;
+        if let Some(next) = next_offset {
+            let binds = [
+                Bind::Int(next),
+                Bind::Int(next),
+                Bind::Int(now_ms()),
+                Bind::Text(consumer),
+                Bind::Text(topic),
+                Bind::Int(i64::from(partition)),
+            ];
+            DB::execute(&mut tx, &self.queries.offset_advance, &binds)
+                .await
+                .map_err(store_error)?;
+        }
         if let Some((req, Some(result))) = key {
             self.set_result(&mut tx, req.consumer, req.key, result)
                 .await?;
@@ -280,11 +289,12 @@ impl<DB: SqlDatabase> OffsetStore for SqlStore<DB> {
         offset: i64,
     ) -> Result<(), StoreError> {
         match self
-            .claim_offset(consumer, topic, partition, offset)
+            .claim_offset(consumer, topic, partition, offset, true)
             .await?
         {
             OffsetClaim::New(tx) => {
-                self.commit_offset(tx, consumer, topic, partition, offset, None)
+                let next = Some(offset.saturating_add(1));
+                self.commit_offset(tx, consumer, topic, partition, next, None)
                     .await
             }
             OffsetClaim::Applied { .. } => Ok(()),
