@@ -4,8 +4,8 @@
 //! crash between the inbox commit and the offset commit (the offsets then
 //! committed to the end), retries of one record key, a rebalance with
 //! messages in flight, order per key within a partition whose records run
-//! concurrently, and a committed offset that never passes a record in
-//! flight. A consumer killed mid-handler is in `conformance.rs`.
+//! concurrently, a committed offset that never passes a record in flight,
+//! and hot keys through a rebalance and a kill mid-flight. A consumer killed mid-handler is in `conformance.rs`.
 #![cfg(all(feature = "kafka", feature = "postgres"))]
 
 mod support;
@@ -646,4 +646,85 @@ async fn the_committed_offset_never_passes_a_record_in_flight() {
     assert_eq!(summary.count(OutcomeKind::Processed), 1, "{summary}");
     assert_eq!(summary.count(OutcomeKind::Duplicate), 29, "{summary}");
     ledger.cleanup().await;
+}
+
+/// Hot record keys and cold ones over 3 partitions, their records run
+/// concurrently within each partition; a second member joins mid-run (a
+/// rebalance with records in flight) and then the first is killed with its
+/// handlers running. The group's offsets end committed to the end of every
+/// partition with every record applied exactly once — no gap skipped, none
+/// applied twice — and each hot key's records applied in offset order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hot_keys_a_rebalance_and_a_kill_mid_flight() {
+    const HOT: usize = 4;
+    const SEQ: usize = 30;
+    const COLD: usize = 60;
+    let ledger = Ledger::new().await;
+    let topic = new_topic(PARTITIONS).await;
+    let group = support::unique("g");
+    let mut messages = Vec::new();
+    let mut expected = BTreeMap::new();
+    let slow = serde_json::json!({ "sleep_ms": 120 });
+    for seq in 0..SEQ {
+        for k in 0..HOT {
+            let event = format!("a{k}-{seq:02}");
+            let amount = (seq * HOT + k + 1) as i64;
+            let mut m = payment(&format!("m-{event}"), &event, amount, slow.clone());
+            m.key = Some(format!("account-{k}"));
+            messages.push(m);
+            expected.insert(event, amount);
+        }
+        for c in (seq * COLD / SEQ)..((seq + 1) * COLD / SEQ) {
+            let event = format!("c{c:02}");
+            let amount = 1000 + c as i64;
+            messages.push(payment(&format!("m-{event}"), &event, amount, slow.clone()));
+            expected.insert(event, amount);
+        }
+    }
+    publish(&topic, &messages).await;
+    let plan = Arc::new(Plan::default());
+    let build = || {
+        ledger
+            .consumer("kafka-hot", Arc::clone(&plan))
+            .concurrency(8)
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (build(), build());
+    let run_a = support::start(&a, source(&topic, &group).await);
+    eventually_rows(&ledger, 20).await;
+    let run_b = support::start(&b, source(&topic, &group).await);
+    eventually_rows(&ledger, 90).await;
+    let applied = ledger.rows().await.len();
+    assert!(
+        applied < expected.len(),
+        "the first member finished before the kill"
+    );
+    run_a.kill().await;
+
+    let done = committed_to_end(&topic, &group, Duration::from_secs(120)).await;
+    let summary = run_b.stop().await;
+    assert!(done, "offsets were not committed to the end: {summary}");
+    ledger.assert_exactly_once(&expected).await;
+    assert!(
+        summary.count(OutcomeKind::Processed) > 0,
+        "the second member applied nothing: {summary}"
+    );
+    let order = ledger.keys_in_order().await;
+    for k in 0..HOT {
+        let prefix = format!("a{k}-");
+        let of_key: Vec<&String> = order.iter().filter(|e| e.starts_with(&prefix)).collect();
+        let mut sorted = of_key.clone();
+        sorted.sort();
+        assert_eq!(of_key, sorted, "the order of record key account-{k}");
+    }
+    ledger.cleanup().await;
+}
+
+/// Waits until the ledger holds at least `n` rows (60 s at most).
+async fn eventually_rows(ledger: &Ledger, n: usize) {
+    support::eventually(Duration::from_secs(60), "ledger rows", || async {
+        ledger.rows().await.len() >= n
+    })
+    .await;
 }
