@@ -9,7 +9,8 @@
 #                               mode (JSON lines, RabbitMQ) and
 #                               offset-watermark mode (Kafka) × PostgreSQL,
 #                               and watermark mode with concurrent records
-#                               (Kafka) × MariaDB
+#                               (Kafka) × MariaDB, and lease batches
+#                               (JSON lines × Redis)
 #   scripts/chaos.sh --full     every source × every store (32 cells), plus
 #                               the batch and both watermark cells × every SQL store
 #                               and the batch cells × Redis (lease batches)
@@ -132,7 +133,7 @@ if [ -z "$cells" ]; then
     for so in $SOURCES; do cells="$cells $so:postgres"; done
     for st in sqlite mysql redis; do cells="$cells jsonl:$st amqp:$st"; done
     cells="$cells jsonl:postgres:batch amqp:postgres:batch kafka:postgres:watermark"
-    cells="$cells kafka:mysql:concurrent"
+    cells="$cells kafka:mysql:concurrent jsonl:redis:batch"
   fi
 fi
 

@@ -16,6 +16,12 @@
 //! | `after_handler` | a handler returned (success or failure); nothing committed |
 //! | `before_commit` | about to commit the claim and the handler's writes |
 //! | `after_commit_before_ack` | committed; the delivery is not acked yet |
+//!
+//! They mark states of new work, as they did before the one pipeline: a
+//! unit whose members were all answered by the store (duplicates) passes
+//! none of them, and `before_commit` and `after_commit_before_ack` are
+//! passed only by a unit with a handler's work to commit
+//! (`failpoint!("name", if condition)`).
 
 /// The names of the fail points, in protocol order.
 pub const NAMES: [&str; 4] = [
@@ -32,6 +38,11 @@ macro_rules! failpoint {
     ($name:literal) => {
         fail::fail_point!($name)
     };
+    ($name:literal, if $cond:expr) => {
+        if $cond {
+            fail::fail_point!($name)
+        }
+    };
 }
 
 /// Marks a named fail point (see the module docs); a no-op without the
@@ -39,6 +50,7 @@ macro_rules! failpoint {
 #[cfg(not(feature = "failpoints"))]
 macro_rules! failpoint {
     ($name:literal) => {};
+    ($name:literal, if $cond:expr) => {};
 }
 
 pub(crate) use failpoint;

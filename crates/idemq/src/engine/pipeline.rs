@@ -267,7 +267,12 @@ impl<S: Store> Consumer<S> {
         let mut unit = mode.open(self, careful);
         let answers = match unit.claim(&claims).await {
             Ok(answers) => {
-                crate::failpoint::failpoint!("after_claim");
+                // The named points mark the states of new work: a unit whose
+                // members were all answered (duplicates) passes none of them.
+                crate::failpoint::failpoint!(
+                    "after_claim",
+                    if answers.iter().any(|a| matches!(a, Answer::New))
+                );
                 answers
             }
             Err(e) => {
@@ -344,7 +349,7 @@ impl<S: Store> Consumer<S> {
             None => {
                 let results: Vec<(usize, Option<&serde_json::Value>)> =
                     done.iter().map(|(n, value)| (*n, value.as_ref())).collect();
-                crate::failpoint::failpoint!("before_commit");
+                crate::failpoint::failpoint!("before_commit", if !results.is_empty());
                 unit.complete(&claims, &results)
                     .await
                     .map_err(|e| format!("commit failed: {e}"))
@@ -370,7 +375,7 @@ impl<S: Store> Consumer<S> {
                 return Some(Ran { led, outcomes });
             }
         };
-        crate::failpoint::failpoint!("after_commit_before_ack");
+        crate::failpoint::failpoint!("after_commit_before_ack", if !done.is_empty());
         let mut held = held.into_iter();
         for (n, value) in done {
             let key = &leaders[n].key;
