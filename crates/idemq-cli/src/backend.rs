@@ -15,7 +15,10 @@ use idemq::template::Placeholder;
 use idemq::{Consumer, SourceError, StoreError, StoreErrorKind, Summary};
 
 use crate::exit;
-use crate::sink::{BoxedHandler, SqlStatement};
+use crate::sink::{BindNull, BoxedHandler, RowsAffected, SqlStatement};
+use idemq::store::sql::{SqlDatabase, SqlStore};
+use sqlx::database::HasStatementCache;
+use sqlx::{Encode, Executor, IntoArguments, Type};
 
 /// The backends this binary can talk to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -244,81 +247,97 @@ impl Backend for idemq::store::redis::RedisStore {
     // No watermark mode: Redis keeps no offsets in a transaction with the effects.
 }
 
-/// Implements [`Backend`] for one SQL store over its sqlx database; the
-/// bodies are the generic functions of [`crate::sink`].
-macro_rules! sql_backend {
-    ($store:ty, $db:ty, $placeholder:expr, $cache:expr) => {
-        #[async_trait::async_trait]
-        impl SqlAdmin for $store {
-            async fn execute_raw(&self, sql: &str) -> Result<(), sqlx::Error> {
-                crate::sink::execute_raw(self.pool(), sql).await
-            }
-
-            async fn prepare(&self, sql: &str) -> Result<(), sqlx::Error> {
-                crate::sink::prepare(self.pool(), sql).await
-            }
-        }
-
-        impl Backend for $store {
-            const SQL: Option<SqlDialect> = Some(SqlDialect {
-                placeholder: $placeholder,
-                cache_statements: $cache,
-            });
-
-            fn as_sql(&self) -> Option<&dyn SqlAdmin> {
-                Some(self)
-            }
-
-            fn sql_handler(statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
-                Some(Box::new(crate::sink::SqlHandler::<$db>::new(statement)))
-            }
-
-            async fn run_batched(
-                consumer: &Consumer<Self>,
-                source: Box<dyn Source>,
-                options: BatchOptions,
-                shutdown: ShutdownSignal<'_>,
-            ) -> Option<Result<Summary, SourceError>> {
-                Some(consumer.run_batched_until(source, options, shutdown).await)
-            }
-
-            async fn run_watermarked(
-                consumer: &Consumer<Self>,
-                source: Box<dyn Source>,
-                options: WatermarkOptions,
-                shutdown: ShutdownSignal<'_>,
-            ) -> Option<Result<Summary, SourceError>> {
-                Some(
-                    consumer
-                        .run_watermarked_until(source, options, shutdown)
-                        .await,
-                )
-            }
-        }
-    };
+/// A database whose [`SqlStore`] the CLI drives: how `--apply-sql` is
+/// written for it. One line per database; everything else is generic.
+pub trait SqlBackendDatabase: SqlDatabase + BindNull + HasStatementCache {
+    /// Placeholders and statement caching of `--apply-sql` statements.
+    const SINK_DIALECT: SqlDialect;
 }
 
 #[cfg(feature = "sqlite")]
-sql_backend!(
-    idemq::store::sql::sqlite::SqliteStore,
-    sqlx::Sqlite,
-    Placeholder::Positional,
-    true
-);
+impl SqlBackendDatabase for sqlx::Sqlite {
+    const SINK_DIALECT: SqlDialect = SqlDialect {
+        placeholder: Placeholder::Positional,
+        cache_statements: true,
+    };
+}
+
 #[cfg(feature = "postgres")]
-sql_backend!(
-    idemq::store::sql::postgres::PostgresStore,
-    sqlx::Postgres,
-    Placeholder::Numbered,
-    false
-);
+impl SqlBackendDatabase for sqlx::Postgres {
+    const SINK_DIALECT: SqlDialect = SqlDialect {
+        placeholder: Placeholder::Numbered,
+        cache_statements: false,
+    };
+}
+
 #[cfg(feature = "mysql")]
-sql_backend!(
-    idemq::store::sql::mysql::MySqlStore,
-    sqlx::MySql,
-    Placeholder::Positional,
-    true
-);
+impl SqlBackendDatabase for sqlx::MySql {
+    const SINK_DIALECT: SqlDialect = SqlDialect {
+        placeholder: Placeholder::Positional,
+        cache_statements: true,
+    };
+}
+
+#[async_trait::async_trait]
+impl<DB> SqlAdmin for SqlStore<DB>
+where
+    DB: SqlDatabase,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+{
+    async fn execute_raw(&self, sql: &str) -> Result<(), sqlx::Error> {
+        crate::sink::execute_raw(self.pool(), sql).await
+    }
+
+    async fn prepare(&self, sql: &str) -> Result<(), sqlx::Error> {
+        crate::sink::prepare(self.pool(), sql).await
+    }
+}
+
+/// Every SQL store, over its sqlx database: the bodies are the generic
+/// functions of [`crate::sink`] and the library's modes.
+impl<DB> Backend for SqlStore<DB>
+where
+    DB: SqlBackendDatabase,
+    DB::QueryResult: RowsAffected,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    for<'q> String: Encode<'q, DB> + Type<DB>,
+    for<'q> bool: Encode<'q, DB> + Type<DB>,
+    for<'q> i64: Encode<'q, DB> + Type<DB>,
+    for<'q> f64: Encode<'q, DB> + Type<DB>,
+{
+    const SQL: Option<SqlDialect> = Some(DB::SINK_DIALECT);
+
+    fn as_sql(&self) -> Option<&dyn SqlAdmin> {
+        Some(self)
+    }
+
+    fn sql_handler(statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
+        Some(Box::new(crate::sink::SqlHandler::<DB>::new(statement)))
+    }
+
+    async fn run_batched(
+        consumer: &Consumer<Self>,
+        source: Box<dyn Source>,
+        options: BatchOptions,
+        shutdown: ShutdownSignal<'_>,
+    ) -> Option<Result<Summary, SourceError>> {
+        Some(consumer.run_batched_until(source, options, shutdown).await)
+    }
+
+    async fn run_watermarked(
+        consumer: &Consumer<Self>,
+        source: Box<dyn Source>,
+        options: WatermarkOptions,
+        shutdown: ShutdownSignal<'_>,
+    ) -> Option<Result<Summary, SourceError>> {
+        Some(
+            consumer
+                .run_watermarked_until(source, options, shutdown)
+                .await,
+        )
+    }
+}
 
 /// A store connection error: a bad table prefix or URL is a usage error.
 pub fn connect_error(url: &StoreUrl, err: StoreError) -> anyhow::Error {
