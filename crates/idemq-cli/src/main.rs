@@ -634,7 +634,11 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => return exit::report(&anyhow::Error::new(e).context("starting the runtime")),
     };
-    match runtime.block_on(dispatch(cli)) {
+    let result = runtime.block_on(dispatch(cli));
+    // A blocking read of a stdin that is still open would hold a plain drop
+    // of the runtime (which waits for blocking tasks) forever.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    match result {
         Ok(code) => code,
         Err(e) => exit::report(&e),
     }

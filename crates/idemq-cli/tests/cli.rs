@@ -1375,3 +1375,66 @@ async fn rocketmq_produce_and_consume() {
     )
     .await;
 }
+
+/// SIGTERM (what `docker stop`, systemd and Kubernetes send) drains: the
+/// process stops taking messages, settles what it took, prints its summary
+/// and exits 0 — also while its stdin is still open.
+#[cfg(all(feature = "sqlite", unix))]
+#[test]
+fn sigterm_drains_and_exits_with_the_summary() {
+    let f = Fixture::new();
+    let mut child = Command::new(BIN)
+        .arg("--store")
+        .arg(&f.store)
+        .args(["consume", "--consumer", "term", "--print", "-"])
+        .env_remove("IDEMQ_STORE")
+        .env_remove("IDEMQ_TABLE_PREFIX")
+        .env_remove("IDEMQ_CONSUMER")
+        .env_remove("IDEMQ_LOG")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn idemq");
+    // Two messages, and stdin stays open: the run would go on forever.
+    let mut stdin = child.stdin.take().expect("stdin pipe");
+    stdin
+        .write_all(b"{\"id\":\"a\",\"payload\":1}\n{\"id\":\"b\",\"payload\":2}\n")
+        .expect("write stdin");
+    stdin.flush().expect("flush stdin");
+    let mut stdout = std::io::BufReader::new(child.stdout.take().expect("stdout pipe"));
+    let mut printed = Vec::new();
+    for _ in 0..2 {
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut stdout, &mut line).expect("a printed message");
+        printed.push(line);
+    }
+    let pid = child.id().to_string();
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("run kill");
+    assert!(killed.success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for idemq") {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "idemq did not exit after SIGTERM (printed {printed:?})"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    drop(stdin);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).expect("read stdout");
+    assert_eq!(status.code(), Some(0), "stdout: {printed:?} {rest}");
+    assert!(
+        rest.contains(
+            "consumer term: processed=2 duplicate=0 conflict=0 retry_later=0 dead_lettered=0"
+        ),
+        "the summary after SIGTERM: {rest:?}"
+    );
+}
