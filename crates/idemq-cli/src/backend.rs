@@ -127,20 +127,10 @@ impl FromStr for StoreUrl {
     }
 }
 
-/// Masks the password of `scheme://user:password@host/…`.
+/// `url` with its secrets hidden: user info and secret parameters (see
+/// [`idemq::redact::redact_url`]).
 pub(crate) fn redact(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    let Some((userinfo, host)) = authority.rsplit_once('@') else {
-        return url.to_owned();
-    };
-    match userinfo.split_once(':') {
-        Some((user, _password)) => format!("{scheme}://{user}:***@{host}{tail}"),
-        None => url.to_owned(),
-    }
+    idemq::redact::redact_url(url)
 }
 
 /// How a SQL database takes `--apply-sql` statements.
@@ -370,7 +360,7 @@ mod tests {
             let u: StoreUrl = "mariadb://root:pw@127.0.0.1:3306/test".parse().unwrap();
             assert_eq!(u.kind, Kind::MySql);
             assert_eq!(u.url, "mysql://root:pw@127.0.0.1:3306/test");
-            assert_eq!(u.display, "mariadb://root:***@127.0.0.1:3306/test");
+            assert_eq!(u.display, "mariadb://<credentials>@127.0.0.1:3306/test");
         }
         #[cfg(feature = "postgres")]
         {

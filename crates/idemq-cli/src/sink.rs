@@ -341,7 +341,8 @@ fn call_out_or_print<Tx: Send + 'static>(args: &SinkArgs) -> Result<BoxedHandler
         )?));
         #[cfg(not(feature = "http"))]
         return Err(exit::usage(format!(
-            "--apply-http {url}: {}",
+            "--apply-http {}: {}",
+            crate::backend::redact(url),
             crate::backend::compiled_out("HTTP", "http")
         )));
     }

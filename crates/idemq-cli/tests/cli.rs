@@ -1438,3 +1438,87 @@ fn sigterm_drains_and_exits_with_the_summary() {
         "the summary after SIGTERM: {rest:?}"
     );
 }
+
+/// No password, token or key given in a URL reaches the output, the errors
+/// or the dead-letter table: broker URLs with user info or secret
+/// parameters that fail to parse or to connect, a store URL with a
+/// password, an HTTP sink URL with an `api_key` whose calls fail.
+#[cfg(all(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "kafka",
+    feature = "nats",
+    feature = "redis-streams",
+    feature = "http"
+))]
+#[test]
+fn no_secret_in_any_output() {
+    const SECRET: &str = "hunter2";
+    let f = Fixture::new();
+    let input = f.dir.path().join("one.jsonl");
+    std::fs::write(&input, "{\"id\":\"a\",\"payload\":1}\n").expect("write input");
+    let input = input.to_string_lossy().into_owned();
+    let runs = [
+        idemq(
+            &f.store,
+            &[
+                "consume",
+                "--consumer",
+                "s1",
+                "--print",
+                "kafka://127.0.0.1:1/t?group=g&sasl.password=hunter2&bogus=1",
+            ],
+        ),
+        idemq(
+            &f.store,
+            &[
+                "consume",
+                "--consumer",
+                "s2",
+                "--print",
+                "nats://u:hunter2@127.0.0.1:1/s/c?token=hunter2",
+            ],
+        ),
+        idemq(
+            &f.store,
+            &[
+                "consume",
+                "--consumer",
+                "s3",
+                "--print",
+                "--idle-exit",
+                "1s",
+                "redis-stream://:hunter2@127.0.0.1:1/s?group=g",
+            ],
+        ),
+        idemq(
+            "postgres://u:hunter2@127.0.0.1:1/db",
+            &["consume", "--consumer", "s4", "--print", &input],
+        ),
+        idemq(
+            &f.store,
+            &[
+                "consume",
+                "--consumer",
+                "s5",
+                "--max-attempts",
+                "1",
+                "--apply-http",
+                "https://u:hunter2@127.0.0.1:1/?api_key=hunter2",
+                &input,
+            ],
+        ),
+        idemq(&f.store, &["dlq", "list", "--consumer", "s5"]),
+    ];
+    for run in &runs {
+        assert!(
+            !run.stdout.contains(SECRET) && !run.stderr.contains(SECRET),
+            "a secret in the output: {run:#?}"
+        );
+    }
+    assert!(
+        runs[5].stdout.contains("api_key"),
+        "the dead letter of the HTTP call is listed: {:#?}",
+        runs[5]
+    );
+}

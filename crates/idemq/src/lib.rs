@@ -61,6 +61,7 @@ pub mod message;
 pub mod outbox;
 pub mod outcome;
 pub mod policy;
+pub mod redact;
 pub mod retention;
 pub mod source;
 pub mod store;

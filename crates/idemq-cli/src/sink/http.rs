@@ -41,11 +41,12 @@ impl HttpSink {
     /// A sink posting to `url` with a per-request `timeout` (connect, send
     /// and the whole response) and the extra `headers` (`Name: value`).
     pub fn new(url: &str, timeout: Duration, headers: &[String]) -> Result<Self> {
+        let shown = crate::backend::redact(url);
         let url = reqwest::Url::parse(url)
-            .map_err(|e| exit::usage(format!("--apply-http {url:?} is not a URL: {e}")))?;
+            .map_err(|e| exit::usage(format!("--apply-http {shown:?} is not a URL: {e}")))?;
         if !matches!(url.scheme(), "http" | "https") {
             return Err(exit::usage(format!(
-                "--apply-http {url}: the scheme must be http or https"
+                "--apply-http {shown}: the scheme must be http or https"
             )));
         }
         let mut defaults = HeaderMap::new();

@@ -266,7 +266,12 @@ fn chain(err: &(dyn std::error::Error + 'static)) -> String {
 /// header) or a redirect loop is permanent; timeouts, connection errors and
 /// cut-off bodies are retryable.
 pub fn classify_error(err: &reqwest::Error) -> HandlerError {
-    let text = chain(err);
+    let mut text = chain(err);
+    // reqwest names the URL; its secret parameters (an `api_key=`) must not
+    // reach the logs or the dead-letter table.
+    if let Some(url) = err.url() {
+        text = text.replace(url.as_str(), &crate::redact::redact_url(url.as_str()));
+    }
     if err.is_builder() || err.is_redirect() {
         HandlerError::permanent(format!("invalid HTTP request: {text}"))
     } else if err.is_timeout() {

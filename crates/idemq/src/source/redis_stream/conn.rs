@@ -25,8 +25,12 @@ pub(super) async fn connection(
     url: &str,
     response: Duration,
 ) -> Result<ConnectionManager, SourceError> {
-    let client = redis::Client::open(url)
-        .map_err(|e| SourceError::config(format!("bad Redis URL {url:?}: {e}")))?;
+    let client = redis::Client::open(url).map_err(|e| {
+        SourceError::config(format!(
+            "bad Redis URL {:?}: {e}",
+            crate::redact::redact_url(url)
+        ))
+    })?;
     let config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(COMMAND_TIMEOUT))
         .set_response_timeout(Some(response))
@@ -34,5 +38,5 @@ pub(super) async fn connection(
         .set_max_delay(Duration::from_millis(500));
     ConnectionManager::new_with_config(client, config)
         .await
-        .map_err(|e| broker_error(&format!("connect to {url}"), e))
+        .map_err(|e| broker_error(&format!("connect to {}", crate::redact::redact_url(url)), e))
 }

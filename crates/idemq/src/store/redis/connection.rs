@@ -34,8 +34,12 @@ impl RedisConnection {
     /// Connects to one Redis at `url` (`redis://[user:pass@]host:port[/db]`).
     /// The connection reconnects by itself after an outage.
     pub async fn connect(url: &str, options: &RedisOptions) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url)
-            .map_err(|e| StoreError::config(format!("bad Redis URL {url:?}: {e}")))?;
+        let client = redis::Client::open(url).map_err(|e| {
+            StoreError::config(format!(
+                "bad Redis URL {:?}: {e}",
+                crate::redact::redact_url(url)
+            ))
+        })?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(options.connection_timeout))
             .set_response_timeout(Some(options.response_timeout))
