@@ -52,6 +52,16 @@ pub enum InputError {
         /// The decoder's error.
         error: String,
     },
+    /// The record is larger than the source's limit (a JSON line longer
+    /// than [`JsonLinesSource::max_line_bytes`](crate::source::jsonl::JsonLinesSource::max_line_bytes));
+    /// only its first bytes were kept.
+    #[error("record is {len} bytes, larger than the limit of {max}")]
+    TooLarge {
+        /// Its length in bytes.
+        len: u64,
+        /// The limit.
+        max: usize,
+    },
 }
 
 impl InputError {
@@ -67,6 +77,7 @@ impl InputError {
             InputError::MissingField(_) => "missing_field",
             InputError::Malformed(_) => "malformed_record",
             InputError::Undecodable { .. } => "undecodable_payload",
+            InputError::TooLarge { .. } => "too_large",
         }
     }
 }

@@ -49,11 +49,17 @@ struct Checkpoint {
     line: i64,
 }
 
+/// The default of [`JsonLinesSource::max_line_bytes`]: 4 MiB.
+pub const DEFAULT_MAX_LINE_BYTES: usize = 4 * 1024 * 1024;
+
 #[derive(Debug)]
 struct Line {
     number: i64,
     start: u64,
+    /// The line, or its first `max_line_bytes` bytes when it was longer.
     bytes: Vec<u8>,
+    /// The whole line's length, when it was longer than the limit.
+    too_long: Option<u64>,
     delivery_count: u32,
 }
 
@@ -137,6 +143,9 @@ pub struct JsonLinesSource {
     /// [`next`](Source::next) cancelled in the middle of a line (a batch's
     /// wait ending, an idle timeout) loses nothing of it.
     partial: Vec<u8>,
+    /// Bytes of the current line past `max_line_bytes`: counted, not kept.
+    skipped: u64,
+    max_line_bytes: usize,
     shared: Arc<Shared>,
 }
 
@@ -210,6 +219,16 @@ impl JsonLinesSource {
         )
     }
 
+    /// Caps the bytes kept of one line (default
+    /// [`DEFAULT_MAX_LINE_BYTES`]): a longer line is read past without being
+    /// held in memory, and delivered with its first `max` bytes and the
+    /// defect [`InputError::TooLarge`], so the engine dead-letters it and
+    /// the run goes on. Memory per line stays bounded by `max`.
+    pub fn max_line_bytes(mut self, max: usize) -> Self {
+        self.max_line_bytes = max.max(1);
+        self
+    }
+
     fn build(
         reader: Box<dyn AsyncBufRead + Unpin + Send>,
         topic: String,
@@ -219,6 +238,8 @@ impl JsonLinesSource {
         Self {
             reader: Some(reader),
             partial: Vec::new(),
+            skipped: 0,
+            max_line_bytes: DEFAULT_MAX_LINE_BYTES,
             shared: Arc::new(Shared {
                 state: Mutex::new(State {
                     read: start,
@@ -240,27 +261,55 @@ impl JsonLinesSource {
             return Ok(None);
         };
         loop {
-            let n = reader.read_until(b'\n', &mut self.partial).await?;
-            if n == 0 && self.partial.is_empty() {
+            // Up to the end of the line, keeping at most `max_line_bytes`.
+            loop {
+                let buf = reader.fill_buf().await?;
+                if buf.is_empty() {
+                    break;
+                }
+                let (chunk, ends) = match buf.iter().position(|b| *b == b'\n') {
+                    Some(at) => (&buf[..=at], true),
+                    None => (buf, false),
+                };
+                let taken = chunk.len();
+                // Room for the line ending too: it does not count.
+                let room = (self.max_line_bytes + 2).saturating_sub(self.partial.len());
+                let kept = room.min(taken);
+                self.partial.extend_from_slice(&chunk[..kept]);
+                self.skipped += (taken - kept) as u64;
+                reader.consume(taken);
+                if ends {
+                    break;
+                }
+            }
+            if self.partial.is_empty() && self.skipped == 0 {
                 self.reader = None;
                 return Ok(None);
             }
             let mut bytes = std::mem::take(&mut self.partial);
+            let skipped = std::mem::take(&mut self.skipped);
+            let len = bytes.len() as u64 + skipped;
             let mut state = self.shared.state();
             let start = state.read.offset;
-            state.read.offset += bytes.len() as u64;
+            state.read.offset += len;
             state.read.line += 1;
             let number = state.read.line;
-            while matches!(bytes.last(), Some(b'\n' | b'\r')) {
-                bytes.pop();
+            if skipped == 0 {
+                while matches!(bytes.last(), Some(b'\n' | b'\r')) {
+                    bytes.pop();
+                }
             }
-            if bytes.iter().all(u8::is_ascii_whitespace) {
+            let too_long = (skipped > 0 || bytes.len() > self.max_line_bytes).then_some(len);
+            if too_long.is_some() {
+                bytes.truncate(self.max_line_bytes);
+            } else if bytes.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
             return Ok(Some(Line {
                 number,
                 start,
                 bytes,
+                too_long,
                 delivery_count: 1,
             }));
         }
@@ -278,15 +327,17 @@ impl JsonLinesSource {
             offset: Some(line.number),
             delivery_count: line.delivery_count,
         };
-        let (message, defect) = match parse_line(&line.bytes) {
+        let parsed = match line.too_long {
+            Some(len) => Err(InputError::TooLarge {
+                len,
+                max: self.max_line_bytes,
+            }),
+            None => parse_line(&line.bytes)
+                .map_err(|reason| InputError::Malformed(format!("line {}: {reason}", line.number))),
+        };
+        let (message, defect) = match parsed {
             Ok(message) => (message, None),
-            Err(reason) => (
-                Message::new(line.bytes.clone()),
-                Some(InputError::Malformed(format!(
-                    "line {}: {reason}",
-                    line.number
-                ))),
-            ),
+            Err(defect) => (Message::new(line.bytes.clone()), Some(defect)),
         };
         let acker = LineAcker {
             shared: Arc::clone(&self.shared),
@@ -465,6 +516,53 @@ fn parse_line(bytes: &[u8]) -> Result<Message, String> {
 mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
+
+    /// A line longer than the limit is read past without being kept whole:
+    /// it comes with its first `max` bytes and the defect `TooLarge`, and
+    /// the lines around it are untouched; a line of exactly `max` bytes
+    /// (its CRLF not counted) is a message.
+    #[tokio::test]
+    async fn a_line_over_the_limit_is_a_bounded_defect() {
+        const MAX: usize = 64;
+        let exact = format!(
+            "{{\"id\":\"m-3\",\"payload\":\"{}\"}}",
+            "y".repeat(MAX - 25)
+        );
+        assert_eq!(exact.len(), MAX);
+        let big = format!("{{\"id\":\"m-2\",\"payload\":\"{}\"}}", "x".repeat(100_000));
+        let input = format!(
+            "{{\"id\":\"m-1\",\"payload\":1}}\n{big}\n{exact}\r\n{{\"id\":\"m-4\",\"payload\":4}}"
+        );
+        let mut source = JsonLinesSource::from_reader(
+            BufReader::with_capacity(16, std::io::Cursor::new(input.clone().into_bytes())),
+            "mem",
+        )
+        .max_line_bytes(MAX);
+        let mut got = Vec::new();
+        for _ in 0..4 {
+            let d = source.next().await.unwrap().expect("a delivery");
+            got.push((
+                d.message.id.clone(),
+                d.message.payload.len(),
+                d.defect.clone(),
+            ));
+            d.into_parts().3.ack().await.unwrap();
+        }
+        assert_eq!(got[0].0.as_deref(), Some("m-1"));
+        assert!(got[0].2.is_none());
+        assert_eq!(got[1].1, MAX, "only the first bytes are kept");
+        assert_eq!(
+            got[1].2,
+            Some(InputError::TooLarge {
+                len: big.len() as u64 + 1,
+                max: MAX
+            })
+        );
+        assert_eq!(got[2].0.as_deref(), Some("m-3"), "{:?}", got[2]);
+        assert!(got[2].2.is_none(), "{:?}", got[2]);
+        assert_eq!(got[3].0.as_deref(), Some("m-4"));
+        assert!(source.next().await.unwrap().is_none());
+    }
 
     /// A `next` cancelled while half a line has arrived (as a batch's wait
     /// or an idle timeout cancels it) loses nothing: the next call returns
