@@ -29,7 +29,8 @@ use crate::endpoint::Endpoint;
 
 /// Help text shared by every command that can fail at run time.
 const EXIT_CODES: &str = "EXIT CODES:
-  0    the command ran to the end (dead letters are outcomes, not failures)
+  0    the command ran to the end (dead letters are outcomes, not failures), or
+       stopped by SIGTERM after finishing its in-flight messages
   1    runtime error: the store or the source is unreachable or failed
   2    usage or configuration error: bad flag, key spec, template, URL or table prefix
   3    not found: `inspect` found nothing for the key; `dlq replay --id` named a missing dead letter
@@ -99,7 +100,9 @@ enum Command {
             consumer NAME: processed=N duplicate=N conflict=N retry_later=N dead_lettered=N\n\n\
             The exit status is 0 when the input was read to its end, even if messages were \
             dead-lettered (they are outcomes, listed by `idemq dlq list`); 1 when the store or \
-            the input failed; 2 for a usage or configuration error; 130 after Ctrl-C.",
+            the input failed; 2 for a usage or configuration error; 130 after Ctrl-C. \
+            Ctrl-C and SIGTERM drain: the messages in flight are settled and the summary \
+            printed; after SIGTERM the exit status is 0.",
         after_long_help = EXIT_CODES
     )]
     Consume(ConsumeArgs),
