@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use futures_util::StreamExt;
@@ -41,10 +42,27 @@ impl fmt::Debug for AmqpSource {
     }
 }
 
+/// How long [`AmqpSource::connect`] may take: the connection, the topology,
+/// the prefetch and the consumer.
+pub const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+
 impl AmqpSource {
     /// Connects, declares the topology, sets the prefetch and starts consuming
     /// the work queue with manual acks.
+    /// Gives up after [`SETUP_TIMEOUT`]: a broker that accepts the TCP
+    /// connection but never finishes the handshake (one shutting down or
+    /// still booting) must not hang the consumer.
     pub async fn connect(config: AmqpConfig) -> Result<Self, SourceError> {
+        tokio::time::timeout(SETUP_TIMEOUT, Self::set_up(config))
+            .await
+            .map_err(|_| {
+                SourceError::broker(format!(
+                    "connecting and setting up the queue took longer than {SETUP_TIMEOUT:?}"
+                ))
+            })?
+    }
+
+    async fn set_up(config: AmqpConfig) -> Result<Self, SourceError> {
         let connection = config.connect("idemq-consumer").await?;
         let publish = connection
             .create_channel()
