@@ -50,6 +50,16 @@ fn next_watermark(at: &Position<'_>, contiguity: Contiguity) -> Option<i64> {
     }
 }
 
+/// How a delivery's partition stands: as its source says when records of a
+/// partition run concurrently (`concurrent_records`), else in order.
+fn contiguity_of(concurrent_records: bool, acker: &dyn Acknowledger) -> Contiguity {
+    if concurrent_records {
+        acker.contiguity()
+    } else {
+        Contiguity::InOrder
+    }
+}
+
 /// Whether records of the delivery's partition may apply concurrently: then
 /// each claims its position in the inbox, and the watermark moves only to
 /// the contiguous position.
@@ -122,12 +132,7 @@ impl<S: OffsetStore> Mode<S> for Watermark {
         let inner = &*consumer.inner;
         let store = &inner.store;
         let name = inner.name.as_str();
-        let contiguity = if self.0.concurrent_records {
-            acker.contiguity()
-        } else {
-            Contiguity::InOrder
-        };
-        if !tracked(contiguity) {
+        if !tracked(contiguity_of(self.0.concurrent_records, acker)) {
             return store
                 .advance_offset(name, at.topic, at.partition, at.offset)
                 .await;
@@ -141,7 +146,9 @@ impl<S: OffsetStore> Mode<S> for Watermark {
         let key = at.key();
         let req = position_claim(name, &key, inner.lease);
         if let Err(e) = store.claim_key_in(&mut tx, &req).await {
-            let _ = store.rollback(tx).await;
+            if let Err(rollback) = store.rollback(tx).await {
+                tracing::warn!(consumer = name, error = %rollback, "rollback failed");
+            }
             return Err(e);
         }
         let next = next_watermark(&at, acker.contiguity());
@@ -177,11 +184,7 @@ impl<S: OffsetStore> Offsets<S> {
     /// How the delivery's partition stands: as its source says when records
     /// of a partition run concurrently, else in order.
     fn contiguity(&self, acker: &dyn Acknowledger) -> Contiguity {
-        if self.concurrent_records {
-            acker.contiguity()
-        } else {
-            Contiguity::InOrder
-        }
+        contiguity_of(self.concurrent_records, acker)
     }
 
     async fn rollback(&mut self) {
