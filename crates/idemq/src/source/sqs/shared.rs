@@ -166,19 +166,24 @@ async fn extend(
 
 /// Makes the given received messages visible again at once (best effort, in
 /// the background): they were never handed out, or must be redelivered in order.
+///
+/// Each lease is stopped first, waiting for an extension already sent: an
+/// extension that reached the queue after the release would hide the message
+/// again while its group's later messages are delivered (moto then hands out
+/// the group out of order; SQS holds the whole group back).
 pub(super) fn release_now(shared: &Arc<Shared>, released: Vec<Received>) {
     if released.is_empty() {
         return;
     }
-    let receipts: Vec<String> = released.iter().map(|r| r.lease.receipt.clone()).collect();
-    drop(released); // stops their extension
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return; // they come back after the visibility timeout
+        return; // dropped with their leases: they come back after the visibility timeout
     };
     let shared = Arc::clone(shared);
     runtime.spawn(async move {
-        for receipt in receipts {
-            if let Err(e) = shared.change_visibility(&receipt, 0).await {
+        for received in released {
+            received.lease.stop().await;
+            let receipt = &received.lease.receipt;
+            if let Err(e) = shared.change_visibility(receipt, 0).await {
                 tracing::debug!(queue = %shared.queue.name, error = %e, "releasing a buffered message failed");
             }
         }
