@@ -26,8 +26,7 @@ const RECONNECT_PAUSE: Duration = Duration::from_millis(500);
 const REQUEST_CAPACITY: usize = 256;
 
 pub(super) fn broker_error(what: &str, e: impl Into<crate::error::BoxError>) -> SourceError {
-    let e = e.into();
-    SourceError::broker(format!("MQTT {what}: {e}")).with_source(e)
+    crate::source::kit::broker_error("MQTT", what, e)
 }
 
 type PubAckResult = Result<(), String>;
@@ -275,16 +274,4 @@ async fn drive(
 
 fn connection_error(e: &ConnectionError) -> SourceError {
     broker_error("connect", e.to_string())
-}
-
-#[cfg(test)]
-mod broker_error_tests {
-    use super::*;
-
-    #[test]
-    fn a_broker_error_keeps_the_client_error_as_its_source() {
-        let err = broker_error("x", std::io::Error::other("boom"));
-        assert_eq!(err.kind(), crate::SourceErrorKind::Broker);
-        assert!(std::error::Error::source(&err).is_some(), "{err:?}");
-    }
 }

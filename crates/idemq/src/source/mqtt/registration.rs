@@ -1,31 +1,16 @@
 //! MQTT in the broker registry ([`crate::source::registry`]).
 
-use futures_util::future::BoxFuture;
-
 use super::{MqttConfig, MqttPublisher, MqttSource};
 use crate::error::SourceError;
-use crate::source::registry::transport_key_or_id;
+use crate::source::kit::{BrokerConfig, ConnectWith};
 use crate::source::registry::Broker;
 use crate::source::url::{competing_with, set_param, with_default_param};
-use crate::source::{Publisher, Source};
 
 /// MQTT: how `mqtt://` URLs open.
-pub const BROKER: Broker = Broker {
-    id: "mqtt",
-    name: "MQTT",
-    schemes: &["mqtt"],
-    watermarks: false,
-    subscribe_before_publish: true,
-    default_key: transport_key_or_id,
-    check,
-    competing_url,
-    open_source,
-    open_publisher,
-};
-
-fn check(url: &str) -> Result<(), SourceError> {
-    MqttConfig::from_url(url).map(|_| ())
-}
+pub const BROKER: Broker =
+    Broker::of::<MqttConfig, MqttSource, MqttPublisher>("mqtt", "MQTT", &["mqtt"])
+        .with_subscribe_before_publish()
+        .with_competing_url(competing_url);
 
 /// Each client needs an id of its own (a persistent session each); they
 /// compete through a shared subscription (`$share/GROUP/TOPIC`).
@@ -34,33 +19,40 @@ fn competing_url(url: &str, n: usize) -> String {
 }
 
 /// A shared subscription `$share/GROUP/TOPIC` is published to as TOPIC.
-fn publish_url(url: &str) -> Option<String> {
+fn topic_url(url: &str) -> Option<String> {
     let at = url.find("/$share/")?;
     let rest = &url[at + "/$share/".len()..];
     let (_, topic) = rest.split_once('/')?;
     Some(format!("{}/{topic}", &url[..at]))
 }
 
-fn open_source(url: &str) -> BoxFuture<'_, Result<Box<dyn Source>, SourceError>> {
-    Box::pin(async move {
-        let config = MqttConfig::from_url(url)?;
-        Ok(Box::new(MqttSource::connect(config).await?) as Box<dyn Source>)
-    })
-}
+impl BrokerConfig for MqttConfig {
+    fn parse(url: &str) -> Result<Self, SourceError> {
+        Self::from_url(url)
+    }
 
-fn open_publisher(url: &str) -> BoxFuture<'_, Result<Box<dyn Publisher>, SourceError>> {
-    Box::pin(async move {
-        // A publisher needs a client id of its own, unique per process;
-        // the client id of a consumer's URL (a shared subscription) is the
-        // consumer's, never the publisher's.
+    /// A publisher needs a client id of its own, unique per process; the
+    /// client id of a consumer's URL (a shared subscription) is the
+    /// consumer's, never the publisher's.
+    fn publisher_url(url: &str) -> String {
         let client = format!("idemq-produce-{}", std::process::id());
-        let url = match publish_url(url) {
+        match topic_url(url) {
             Some(topic_url) => set_param(&topic_url, "client_id", &client),
             None => with_default_param(url, "client_id", &client),
-        };
-        let config = MqttConfig::from_url(&url)?;
-        Ok(Box::new(MqttPublisher::connect(&config).await?) as Box<dyn Publisher>)
-    })
+        }
+    }
+}
+
+impl ConnectWith<MqttConfig> for MqttSource {
+    async fn connect_with(config: MqttConfig) -> Result<Self, SourceError> {
+        Self::connect(config).await
+    }
+}
+
+impl ConnectWith<MqttConfig> for MqttPublisher {
+    async fn connect_with(config: MqttConfig) -> Result<Self, SourceError> {
+        Self::connect(&config).await
+    }
 }
 
 #[cfg(test)]
@@ -70,10 +62,10 @@ mod tests {
     #[test]
     fn a_shared_subscription_is_published_to_as_its_topic() {
         assert_eq!(
-            publish_url("mqtt://h:1883/$share/g/a/b?client_id=c").as_deref(),
+            topic_url("mqtt://h:1883/$share/g/a/b?client_id=c").as_deref(),
             Some("mqtt://h:1883/a/b?client_id=c")
         );
-        assert_eq!(publish_url("mqtt://h:1883/a/b"), None);
+        assert_eq!(topic_url("mqtt://h:1883/a/b"), None);
         assert_eq!(
             competing_url("mqtt://h:1883/$share/g/t?client_id=c", 1),
             "mqtt://h:1883/$share/g/t?client_id=c-w1"

@@ -307,8 +307,7 @@ impl NatsConfig {
 }
 
 pub(super) fn broker_error(what: &str, err: impl Into<crate::error::BoxError>) -> SourceError {
-    let err = err.into();
-    SourceError::broker(format!("NATS {what}: {err}")).with_source(err)
+    crate::source::kit::broker_error("NATS", what, err)
 }
 
 /// Stream and consumer names: 1 to 255 printable characters without
@@ -464,17 +463,5 @@ mod tests {
         assert!(!subject_matches("a.*", "a.b.c"));
         assert!(!subject_matches("a.b", "a"));
         assert!(subject_matches("a.b", "a.b"));
-    }
-}
-
-#[cfg(test)]
-mod broker_error_tests {
-    use super::*;
-
-    #[test]
-    fn a_broker_error_keeps_the_client_error_as_its_source() {
-        let err = broker_error("x", std::io::Error::other("boom"));
-        assert_eq!(err.kind(), crate::SourceErrorKind::Broker);
-        assert!(std::error::Error::source(&err).is_some(), "{err:?}");
     }
 }

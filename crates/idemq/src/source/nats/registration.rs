@@ -1,41 +1,28 @@
 //! NATS JetStream in the broker registry ([`crate::source::registry`]).
 
-use futures_util::future::BoxFuture;
-
 use super::{NatsConfig, NatsPublisher, NatsSource};
 use crate::error::SourceError;
-use crate::source::registry::transport_key_or_id;
-use crate::source::registry::{same_url, Broker};
-use crate::source::{Publisher, Source};
+use crate::source::kit::{BrokerConfig, ConnectWith};
+use crate::source::registry::Broker;
 
 /// NATS JetStream: how `nats://` URLs open.
-pub const BROKER: Broker = Broker {
-    id: "nats",
-    name: "NATS JetStream",
-    schemes: &["nats"],
-    watermarks: false,
-    subscribe_before_publish: false,
-    default_key: transport_key_or_id,
-    check,
-    competing_url: same_url,
-    open_source,
-    open_publisher,
-};
+pub const BROKER: Broker =
+    Broker::of::<NatsConfig, NatsSource, NatsPublisher>("nats", "NATS JetStream", &["nats"]);
 
-fn check(url: &str) -> Result<(), SourceError> {
-    NatsConfig::from_url(url).map(|_| ())
+impl BrokerConfig for NatsConfig {
+    fn parse(url: &str) -> Result<Self, SourceError> {
+        Self::from_url(url)
+    }
 }
 
-fn open_source(url: &str) -> BoxFuture<'_, Result<Box<dyn Source>, SourceError>> {
-    Box::pin(async move {
-        let config = NatsConfig::from_url(url)?;
-        Ok(Box::new(NatsSource::connect(config).await?) as Box<dyn Source>)
-    })
+impl ConnectWith<NatsConfig> for NatsSource {
+    async fn connect_with(config: NatsConfig) -> Result<Self, SourceError> {
+        Self::connect(config).await
+    }
 }
 
-fn open_publisher(url: &str) -> BoxFuture<'_, Result<Box<dyn Publisher>, SourceError>> {
-    Box::pin(async move {
-        let config = NatsConfig::from_url(url)?;
-        Ok(Box::new(NatsPublisher::connect(config).await?) as Box<dyn Publisher>)
-    })
+impl ConnectWith<NatsConfig> for NatsPublisher {
+    async fn connect_with(config: NatsConfig) -> Result<Self, SourceError> {
+        Self::connect(config).await
+    }
 }

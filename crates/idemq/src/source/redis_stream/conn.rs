@@ -10,7 +10,7 @@ use crate::error::SourceError;
 pub(super) const COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub(super) fn broker_error(what: &str, e: RedisError) -> SourceError {
-    SourceError::broker(format!("Redis {what}: {e}")).with_source(e)
+    crate::source::kit::broker_error("Redis", what, e)
 }
 
 pub(super) fn is_transient(e: &RedisError) -> bool {

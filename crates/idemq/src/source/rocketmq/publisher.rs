@@ -9,7 +9,7 @@ use super::mapping::outgoing;
 use super::RocketMqSource;
 use crate::error::SourceError;
 use crate::message::Message;
-use crate::source::url::with_default_param;
+use crate::source::kit::BrokerConfig;
 use crate::source::Publisher;
 
 /// Publishes [`Message`]s to a RocketMQ topic.
@@ -59,8 +59,7 @@ impl RocketMqPublisher {
     /// [`RocketMqConfig::from_url`]; the consumer's parameters are ignored
     /// and the group may be left out.
     pub async fn from_url(url: &str) -> Result<Self, SourceError> {
-        let url = with_default_param(url, "group", "idemq-produce");
-        let config = RocketMqConfig::from_url(&url)?;
+        let config = RocketMqConfig::parse(&RocketMqConfig::publisher_url(url))?;
         Self::connect(&config.name_server, &config.topic).await
     }
 

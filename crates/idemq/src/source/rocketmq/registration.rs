@@ -1,39 +1,38 @@
 //! Apache RocketMQ in the broker registry ([`crate::source::registry`]).
 
-use futures_util::future::BoxFuture;
-
 use super::{RocketMqConfig, RocketMqPublisher, RocketMqSource};
 use crate::error::SourceError;
-use crate::source::registry::{same_url, Broker};
-use crate::source::{Publisher, Source};
+use crate::source::kit::{BrokerConfig, ConnectWith};
+use crate::source::registry::Broker;
+use crate::source::url::with_default_param;
 
 /// Apache RocketMQ: how `rocketmq://` URLs open.
-pub const BROKER: Broker = Broker {
-    id: "rocketmq",
-    name: "Apache RocketMQ",
-    schemes: &["rocketmq"],
-    watermarks: false,
-    subscribe_before_publish: false,
-    default_key: super::default_key_spec,
-    check,
-    competing_url: same_url,
-    open_source,
-    open_publisher,
-};
+pub const BROKER: Broker = Broker::of::<RocketMqConfig, RocketMqSource, RocketMqPublisher>(
+    "rocketmq",
+    "Apache RocketMQ",
+    &["rocketmq"],
+)
+.with_default_key(super::default_key_spec);
 
-fn check(url: &str) -> Result<(), SourceError> {
-    RocketMqConfig::from_url(url).map(|_| ())
+impl BrokerConfig for RocketMqConfig {
+    fn parse(url: &str) -> Result<Self, SourceError> {
+        Self::from_url(url)
+    }
+
+    /// A producer belongs to no consumer group: the URL may omit it.
+    fn publisher_url(url: &str) -> String {
+        with_default_param(url, "group", "idemq-produce")
+    }
 }
 
-fn open_source(url: &str) -> BoxFuture<'_, Result<Box<dyn Source>, SourceError>> {
-    Box::pin(async move {
-        let config = RocketMqConfig::from_url(url)?;
-        Ok(Box::new(RocketMqSource::connect(config).await?) as Box<dyn Source>)
-    })
+impl ConnectWith<RocketMqConfig> for RocketMqSource {
+    async fn connect_with(config: RocketMqConfig) -> Result<Self, SourceError> {
+        Self::connect(config).await
+    }
 }
 
-fn open_publisher(url: &str) -> BoxFuture<'_, Result<Box<dyn Publisher>, SourceError>> {
-    Box::pin(
-        async move { Ok(Box::new(RocketMqPublisher::from_url(url).await?) as Box<dyn Publisher>) },
-    )
+impl ConnectWith<RocketMqConfig> for RocketMqPublisher {
+    async fn connect_with(config: RocketMqConfig) -> Result<Self, SourceError> {
+        Self::connect(&config.name_server, &config.topic).await
+    }
 }

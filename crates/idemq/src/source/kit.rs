@@ -1,0 +1,154 @@
+//! What every broker's folder shares: a configuration parsed from a URL, a
+//! source and a publisher connected from that configuration, the generic
+//! functions that open them for the [registry](super::registry), and the
+//! broker error that keeps the client's error as its `source()`.
+//!
+//! A broker implements [`BrokerConfig`] for its configuration and
+//! [`ConnectWith`] for its source and its publisher; its registration is then
+//! one [`Broker::of`](super::registry::Broker) value.
+
+use std::future::Future;
+
+use futures_util::future::BoxFuture;
+
+use super::registry::{same_url, transport_key_or_id, Broker};
+use super::{Publisher, Source};
+use crate::error::{BoxError, SourceError};
+use crate::key::KeySpec;
+
+impl Broker {
+    /// A broker whose configuration `C` parses its URLs and whose source `S`
+    /// and publisher `P` connect from it. Until a `with_…` says otherwise:
+    /// no offset-watermark mode, messages published before a subscription
+    /// are kept, the key is the transport key or else the message id, and
+    /// competing consumers share one URL.
+    pub(crate) const fn of<C, S, P>(
+        id: &'static str,
+        name: &'static str,
+        schemes: &'static [&'static str],
+    ) -> Self
+    where
+        C: BrokerConfig,
+        S: Source + ConnectWith<C> + 'static,
+        P: Publisher + ConnectWith<C> + 'static,
+    {
+        Self {
+            id,
+            name,
+            schemes,
+            watermarks: false,
+            subscribe_before_publish: false,
+            default_key: transport_key_or_id,
+            check: check_url::<C>,
+            competing_url: same_url,
+            open_source: open_source::<C, S>,
+            open_publisher: open_publisher::<C, P>,
+        }
+    }
+
+    /// Offset-watermark mode can consume it ([`Broker::watermarks`]).
+    pub const fn with_watermarks(self) -> Self {
+        Self {
+            watermarks: true,
+            ..self
+        }
+    }
+
+    /// Consumers must subscribe before the first publish
+    /// ([`Broker::subscribe_before_publish`]).
+    pub const fn with_subscribe_before_publish(self) -> Self {
+        Self {
+            subscribe_before_publish: true,
+            ..self
+        }
+    }
+
+    /// Another default key ([`Broker::default_key`]).
+    pub const fn with_default_key(self, default_key: fn() -> KeySpec) -> Self {
+        Self {
+            default_key,
+            ..self
+        }
+    }
+
+    /// Competing consumers need URLs of their own ([`Broker::competing_url`]).
+    pub const fn with_competing_url(self, competing_url: fn(&str, usize) -> String) -> Self {
+        Self {
+            competing_url,
+            ..self
+        }
+    }
+}
+
+/// A broker's configuration, parsed from its URL without connecting.
+pub(crate) trait BrokerConfig: Sized + Send {
+    /// Parses `url` (errors of kind `Config`, never showing a secret).
+    fn parse(url: &str) -> Result<Self, SourceError>;
+
+    /// The URL a publisher parses, given a consumer's: parameters only a
+    /// consumer needs get defaults, a consumer's identity is replaced. The
+    /// URL itself by default.
+    fn publisher_url(url: &str) -> String {
+        url.to_owned()
+    }
+}
+
+/// A source or publisher that connects from a parsed configuration `C`.
+pub(crate) trait ConnectWith<C>: Sized {
+    /// Connects.
+    fn connect_with(config: C) -> impl Future<Output = Result<Self, SourceError>> + Send;
+}
+
+/// [`Broker::check`](super::registry::Broker::check): parses, connects nothing.
+pub(crate) fn check_url<C: BrokerConfig>(url: &str) -> Result<(), SourceError> {
+    C::parse(url).map(|_| ())
+}
+
+/// [`Broker::open_source`](super::registry::Broker::open_source) of a broker
+/// whose configuration is `C` and whose source is `S`.
+pub(crate) fn open_source<C, S>(url: &str) -> BoxFuture<'_, Result<Box<dyn Source>, SourceError>>
+where
+    C: BrokerConfig,
+    S: Source + ConnectWith<C> + 'static,
+{
+    Box::pin(async move {
+        let config = C::parse(url)?;
+        Ok(Box::new(S::connect_with(config).await?) as Box<dyn Source>)
+    })
+}
+
+/// [`Broker::open_publisher`](super::registry::Broker::open_publisher) of a
+/// broker whose configuration is `C` and whose publisher is `P`: the URL
+/// goes through [`BrokerConfig::publisher_url`] first.
+pub(crate) fn open_publisher<C, P>(
+    url: &str,
+) -> BoxFuture<'_, Result<Box<dyn Publisher>, SourceError>>
+where
+    C: BrokerConfig,
+    P: Publisher + ConnectWith<C> + 'static,
+{
+    Box::pin(async move {
+        let config = C::parse(&C::publisher_url(url))?;
+        Ok(Box::new(P::connect_with(config).await?) as Box<dyn Publisher>)
+    })
+}
+
+/// An error of kind `Broker` from `broker`'s client while doing `what`:
+/// the message reads `"{broker} {what}: {err}"` and `err` stays its `source()`.
+pub(crate) fn broker_error(broker: &str, what: &str, err: impl Into<BoxError>) -> SourceError {
+    let err = err.into();
+    SourceError::broker(format!("{broker} {what}: {err}")).with_source(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broker_error_keeps_the_client_error_as_its_source() {
+        let err = broker_error("X", "connect", std::io::Error::other("boom"));
+        assert_eq!(err.kind(), crate::SourceErrorKind::Broker);
+        assert!(err.to_string().contains("X connect: boom"), "{err}");
+        assert!(std::error::Error::source(&err).is_some(), "{err:?}");
+    }
+}
