@@ -7,22 +7,16 @@
 //! file. Broker rows publish all messages first (untimed) and are timed from
 //! the first processed message to the last, so that connecting and a
 //! consumer-group join are not counted: they are the steady-state rate. Every
-//! broker round goes through [`steady_round`]; a broker differs only in how
-//! it connects, where its source subscribes, and what it cleans up.
+//! broker is opened through the broker registry, from a URL of
+//! [`BROKER_ROWS`]: a broker differs only in its URL and its row's words.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idemq::source::amqp::{AmqpConfig, AmqpPublisher, AmqpSource};
 use idemq::source::jsonl::JsonLinesSource;
-use idemq::source::kafka::{create_topic, KafkaConfig, KafkaPublisher, KafkaSource};
-use idemq::source::mqtt::{MqttConfig, MqttPublisher, MqttSource};
-use idemq::source::nats::{NatsConfig, NatsPublisher, NatsSource};
-use idemq::source::redis_stream::{RedisStreamConfig, RedisStreamPublisher, RedisStreamSource};
-use idemq::source::rocketmq::{RocketMqConfig, RocketMqPublisher, RocketMqSource};
-use idemq::source::sqs::{SqsConfig, SqsPublisher, SqsSource};
+use idemq::source::registry::{self, Broker};
 use idemq::source::{Publisher, Source};
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::sql::SqlOptions;
@@ -109,7 +103,7 @@ async fn within<T, E: Into<anyhow::Error>>(
 
 /// Publishes `n` fresh payments, up to 64 at once, and flushes. The first
 /// one goes alone and is retried for up to [`FIRST_PUBLISH_LIMIT`].
-async fn publish_all<P: Publisher + 'static>(publisher: Arc<P>, n: u64) -> anyhow::Result<()> {
+async fn publish_all(publisher: Arc<dyn Publisher>, n: u64) -> anyhow::Result<()> {
     let mut messages = payments(n).into_iter();
     if let Some(first) = messages.next() {
         let deadline = Instant::now() + FIRST_PUBLISH_LIMIT;
@@ -179,46 +173,33 @@ async fn jsonl_round(ledger: &Ledger<'_>, path: &std::path::Path) -> anyhow::Res
     Ok(rate(n, elapsed))
 }
 
-/// When a broker's source connects.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Subscribe {
-    /// After everything is published: the consumer starts on a full backlog.
-    After,
-    /// Before publishing: the broker keeps only what arrives once the
-    /// subscription exists (MQTT). The source does not run until everything
-    /// is published; the broker holds the backlog for it.
-    Before,
-}
-
-/// One steady-state broker round: connects the publisher, publishes `n`
-/// fresh payments (untimed), connects the source (before or after
-/// publishing), and times the ledger consumer from the first processed
-/// message to the last. `publisher` and `source` are not started until this
-/// awaits them; `cleanup` runs once the publisher is connected, whatever
-/// happens after.
-async fn steady_round<P, S, C, PE, SE>(
+/// One steady-state broker round on `url`: connects the publisher, publishes
+/// `n` fresh payments (untimed), connects the source (before publishing
+/// where the broker keeps only what arrives once a subscription exists, else
+/// after), and times the ledger consumer from the first processed message to
+/// the last. What the URL created is removed afterwards, whatever happened.
+async fn broker_round(
     ledger: &Ledger<'_>,
+    broker: &'static Broker,
+    url: &str,
     n: u64,
-    publisher: impl Future<Output = Result<P, PE>>,
-    source: impl Future<Output = Result<S, SE>>,
-    subscribe: Subscribe,
-    cleanup: impl FnOnce(Arc<P>) -> C,
-) -> anyhow::Result<f64>
-where
-    P: Publisher + 'static,
-    S: Source,
-    C: Future<Output = ()>,
-    PE: Into<anyhow::Error>,
-    SE: Into<anyhow::Error>,
-{
-    let publisher = Arc::new(within(CONNECT_LIMIT, "connecting the publisher", publisher).await?);
+) -> anyhow::Result<f64> {
+    let publisher: Arc<dyn Publisher> = Arc::from(
+        within(
+            CONNECT_LIMIT,
+            "connecting the publisher",
+            (broker.open_publisher)(url),
+        )
+        .await?,
+    );
     let result = async {
         let publish = within(
             BROKER_LIMIT,
             "publishing",
             publish_all(Arc::clone(&publisher), n),
         );
-        let source = if subscribe == Subscribe::Before {
+        let source = (broker.open_source)(url);
+        let source = if broker.subscribe_before_publish {
             let source = within(CONNECT_LIMIT, "connecting the source", source).await?;
             publish.await?;
             source
@@ -229,83 +210,129 @@ where
         consume(ledger, source, n).await
     }
     .await;
-    cleanup(publisher).await;
+    drop(publisher);
+    if let Err(e) = (broker.remove)(url).await {
+        progress!(
+            "e2e: could not remove the {} objects of this round: {e}",
+            broker.name
+        );
+    }
     result
 }
 
-/// A broker with a source in the library.
-#[derive(Debug, Clone, Copy)]
-enum Broker {
-    RabbitMq,
-    Kafka,
-    Nats,
-    RedisStreams,
-    Mqtt,
-    Sqs,
-    RocketMq,
+/// How the benchmark runs one broker of the registry: its URL on the
+/// servers of the run's [`Config`], and what its row says.
+struct BrokerRow {
+    /// [`Broker::id`].
+    id: &'static str,
+    /// What the row measures, and the source's setting worth naming.
+    what: &'static str,
+    setting: Option<&'static str>,
+    /// A fresh round's URL for objects called `name`.
+    url: fn(&Config, &str) -> String,
 }
 
-impl Broker {
-    /// Every broker, in the order of the table.
-    const ALL: [Broker; 7] = [
-        Broker::RabbitMq,
-        Broker::Kafka,
-        Broker::Nats,
-        Broker::RedisStreams,
-        Broker::Mqtt,
-        Broker::Sqs,
-        Broker::RocketMq,
-    ];
+/// The brokers measured, in the order of the table.
+const BROKER_ROWS: &[BrokerRow] = &[
+    BrokerRow {
+        id: "amqp",
+        what: "RabbitMQ queue",
+        setting: Some("prefetch 32"),
+        url: |cfg, name| format!("{}?queue={name}", cfg.amqp),
+    },
+    BrokerRow {
+        id: "kafka",
+        what: "Kafka topic (3 partitions)",
+        setting: None,
+        url: |cfg, name| {
+            format!(
+                "kafka://{}/{name}?group={name}_g&create_partitions=3",
+                cfg.kafka
+            )
+        },
+    },
+    BrokerRow {
+        id: "nats",
+        what: "NATS JetStream pull consumer",
+        setting: Some("batch 10"),
+        url: |cfg, name| format!("{}/{name}/{name}_g?subject={name}.in&create=true", cfg.nats),
+    },
+    BrokerRow {
+        id: "redis-stream",
+        what: "Redis stream, consumer group",
+        setting: Some("count 10"),
+        url: |cfg, name| {
+            let server = cfg.redis.strip_prefix("redis://").unwrap_or(&cfg.redis);
+            format!("redis-stream://{server}/{name}?group={name}_g")
+        },
+    },
+    BrokerRow {
+        id: "mqtt",
+        what: "MQTT 5 topic, QoS 1",
+        setting: None,
+        // A persistent session that expires a minute after the round.
+        url: |cfg, name| {
+            format!(
+                "{}/idemq_bench/{name}?client_id={name}&session_expiry=60s",
+                cfg.mqtt
+            )
+        },
+    },
+    BrokerRow {
+        id: "sqs",
+        what: "SQS queue on moto",
+        setting: Some("batch 10"),
+        url: |cfg, name| {
+            format!(
+                "sqs://{name}?endpoint={}&region=us-east-1&create=true",
+                cfg.sqs
+            )
+        },
+    },
+    BrokerRow {
+        id: "rocketmq",
+        what: "RocketMQ topic, push consumer",
+        setting: None,
+        url: |cfg, name| format!("rocketmq://{}/{name}?group={name}_g", cfg.rocketmq),
+    },
+];
 
-    fn name(self) -> &'static str {
-        match self {
-            Broker::RabbitMq => "RabbitMQ",
-            Broker::Kafka => "Kafka",
-            Broker::Nats => "NATS JetStream",
-            Broker::RedisStreams => "Redis Streams",
-            Broker::Mqtt => "MQTT",
-            Broker::Sqs => "SQS",
-            Broker::RocketMq => "RocketMQ",
-        }
+impl BrokerRow {
+    /// The registered broker.
+    fn broker(&self) -> anyhow::Result<&'static Broker> {
+        registry::brokers()
+            .find(|b| b.id == self.id)
+            .ok_or_else(|| anyhow::anyhow!("broker {} is not registered", self.id))
     }
 
     /// Messages per measurement.
-    fn messages(self, cfg: &Config) -> u64 {
-        match self {
-            Broker::Mqtt => cfg.e2e_messages.min(MQTT_QUEUE),
-            Broker::Sqs => cfg.sqs_messages,
+    fn messages(&self, cfg: &Config) -> u64 {
+        match self.id {
+            "mqtt" => cfg.e2e_messages.min(MQTT_QUEUE),
+            "sqs" => cfg.sqs_messages,
             _ => cfg.e2e_messages,
         }
     }
 
     /// The row's measurement column.
-    fn label(self, cfg: &Config) -> String {
-        let (what, setting) = match self {
-            Broker::RabbitMq => ("RabbitMQ queue", Some("prefetch 32")),
-            Broker::Kafka => ("Kafka topic (3 partitions)", None),
-            Broker::Nats => ("NATS JetStream pull consumer", Some("batch 10")),
-            Broker::RedisStreams => ("Redis stream, consumer group", Some("count 10")),
-            Broker::Mqtt => ("MQTT 5 topic, QoS 1", None),
-            Broker::Sqs => ("SQS queue on moto", Some("batch 10")),
-            Broker::RocketMq => ("RocketMQ topic, push consumer", None),
-        };
-        let setting = setting.map_or_else(String::new, |s| format!("{s}, "));
+    fn label(&self, cfg: &Config) -> String {
+        let setting = self.setting.map_or_else(String::new, |s| format!("{s}, "));
         format!(
-            "{what} → PostgreSQL ({setting}concurrency {}), steady state",
-            cfg.concurrency
+            "{} → PostgreSQL ({setting}concurrency {}), steady state",
+            self.what, cfg.concurrency
         )
     }
 
     /// A note printed under the table when the row is measured.
-    fn note(self, cfg: &Config) -> Option<String> {
-        match self {
-            Broker::Sqs => Some(format!(
+    fn note(&self, cfg: &Config) -> Option<String> {
+        match self.id {
+            "sqs" => Some(format!(
                 "- SQS → PostgreSQL: {} messages per round (`--sqs-messages`), not {}: moto, \
                  the local SQS used here, answers tens of requests per second, so the row \
                  measures moto more than idemq.",
                 cfg.sqs_messages, cfg.e2e_messages
             )),
-            Broker::Mqtt if cfg.e2e_messages > MQTT_QUEUE => Some(format!(
+            "mqtt" if cfg.e2e_messages > MQTT_QUEUE => Some(format!(
                 "- MQTT → PostgreSQL: {MQTT_QUEUE} messages per round, not {}: Mosquitto \
                  queues at most {MQTT_QUEUE} messages per session by default \
                  (`max_queued_messages`) and drops the rest.",
@@ -316,127 +343,10 @@ impl Broker {
     }
 
     /// One round over fresh broker objects called `name`.
-    async fn round(self, ledger: &Ledger<'_>, name: String) -> anyhow::Result<f64> {
-        let cfg = ledger.cfg;
-        let n = self.messages(cfg);
-        let group = format!("{name}_g");
-        match self {
-            Broker::RabbitMq => {
-                let config = AmqpConfig::from_url(&format!("{}?queue={name}", cfg.amqp))?;
-                let source = AmqpSource::connect(config.clone());
-                let publisher = AmqpPublisher::connect(config);
-                steady_round(
-                    ledger,
-                    n,
-                    publisher,
-                    source,
-                    Subscribe::After,
-                    |p| async move {
-                        cleaned(&name, p.delete_topology().await);
-                    },
-                )
-                .await
-            }
-            Broker::Kafka => {
-                let publisher = async {
-                    create_topic(&cfg.kafka, &name, 3).await?;
-                    KafkaPublisher::connect(&cfg.kafka, &name).await
-                };
-                let source = KafkaSource::connect(KafkaConfig::new(&cfg.kafka, &name, group));
-                steady_round(ledger, n, publisher, source, Subscribe::After, |_| async {}).await
-            }
-            Broker::Nats => {
-                let config = NatsConfig::new(&name, group)
-                    .server(&cfg.nats)
-                    .subject(format!("{name}.in"))
-                    .create(true);
-                let source = NatsSource::connect(config.clone());
-                steady_round(
-                    ledger,
-                    n,
-                    NatsPublisher::connect(config),
-                    source,
-                    Subscribe::After,
-                    |p| async move {
-                        cleaned(&name, p.jetstream().delete_stream(&name).await);
-                    },
-                )
-                .await
-            }
-            Broker::RedisStreams => {
-                let config = RedisStreamConfig::new(&cfg.redis, &name, group);
-                let source = RedisStreamSource::connect(config.clone());
-                let publisher = RedisStreamPublisher::connect(&config);
-                steady_round(ledger, n, publisher, source, Subscribe::After, |_| {
-                    delete_redis_key(&cfg.redis, &name)
-                })
-                .await
-            }
-            Broker::Mqtt => {
-                // A persistent session that expires a minute after the round.
-                let config = MqttConfig::from_url(&format!(
-                    "{}/idemq_bench/{name}?client_id={name}&session_expiry=60s",
-                    cfg.mqtt
-                ))?;
-                let source = MqttSource::connect(config.clone());
-                let publisher = MqttPublisher::connect(&config);
-                steady_round(ledger, n, publisher, source, Subscribe::Before, |_| async {
-                })
-                .await
-            }
-            Broker::Sqs => {
-                let config = SqsConfig::new(&name)
-                    .endpoint(&cfg.sqs)
-                    .region("us-east-1")
-                    .create_queue(true);
-                let source = SqsSource::connect(config.clone());
-                let publisher = SqsPublisher::connect(config.clone());
-                steady_round(
-                    ledger,
-                    n,
-                    publisher,
-                    source,
-                    Subscribe::After,
-                    |p| async move {
-                        if let Ok(client) = config.client() {
-                            cleaned(
-                                &name,
-                                client.delete_queue().queue_url(p.queue_url()).send().await,
-                            );
-                        }
-                    },
-                )
-                .await
-            }
-            Broker::RocketMq => {
-                let config = RocketMqConfig::new(&cfg.rocketmq, &name, group);
-                let source = RocketMqSource::connect(config);
-                let publisher = RocketMqPublisher::connect(&cfg.rocketmq, &name);
-                steady_round(ledger, n, publisher, source, Subscribe::After, |_| async {}).await
-            }
-        }
+    async fn round(&self, ledger: &Ledger<'_>, name: &str) -> anyhow::Result<f64> {
+        let url = (self.url)(ledger.cfg, name);
+        broker_round(ledger, self.broker()?, &url, self.messages(ledger.cfg)).await
     }
-}
-
-/// Reports a failed cleanup of the broker objects called `name`.
-fn cleaned<T, E: std::fmt::Display>(name: &str, result: Result<T, E>) {
-    if let Err(e) = result {
-        progress!("e2e: could not delete {name}: {e}");
-    }
-}
-
-/// Deletes the stream `key` (and with it its consumer groups).
-async fn delete_redis_key(url: &str, key: &str) {
-    let deleted = async {
-        let mut conn = redis::Client::open(url)?
-            .get_multiplexed_async_connection()
-            .await?;
-        redis::cmd("DEL")
-            .arg(key)
-            .query_async::<i64>(&mut conn)
-            .await
-    };
-    cleaned(key, deleted.await);
 }
 
 /// The rows of every broker that answers; a round that fails on its first
@@ -448,8 +358,8 @@ async fn broker_rows(
     notes: &mut Vec<String>,
 ) -> anyhow::Result<()> {
     let cfg = ledger.cfg;
-    for broker in Broker::ALL {
-        let name = broker.name();
+    for broker in BROKER_ROWS {
+        let name = broker.broker().map_or(broker.id, |b| b.name);
         let mut values = Vec::new();
         let mut skipped = None;
         for r in 0..cfg.rounds {
@@ -459,7 +369,7 @@ async fn broker_rows(
                 std::process::id(),
                 &uuid::Uuid::new_v4().simple().to_string()[..8]
             );
-            match broker.round(ledger, unique).await {
+            match broker.round(ledger, &unique).await {
                 Ok(v) => {
                     progress!("e2e round {}: {name} {v:.0} msg/s", r + 1);
                     values.push(v);

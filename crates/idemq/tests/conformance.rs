@@ -230,6 +230,15 @@ impl Bench {
         }
     }
 
+    /// Deletes what the URL created on the broker ([`Broker::remove`]); the
+    /// sources are gone by then.
+    async fn remove(self) {
+        drop(self.publisher);
+        (self.broker.remove)(&self.url)
+            .await
+            .unwrap_or_else(|e| panic!("remove {} objects: {e}", self.broker.name));
+    }
+
     /// A source for competing consumer `n`.
     async fn source(&self, n: usize) -> Box<dyn Source> {
         let url = (self.broker.competing_url)(&self.url, n);
@@ -376,6 +385,7 @@ async fn duplicates_poison_and_retries(id: &str) {
         );
     }
     ledger.cleanup().await;
+    bench.remove().await;
 }
 
 /// Acks lost between the commit and the broker: the consumer dies with
@@ -456,6 +466,7 @@ async fn lost_acks_are_redelivered_and_caught(id: &str) {
         }
     }
     ledger.cleanup().await;
+    bench.remove().await;
 }
 
 /// A consumer killed while handlers run (their transactions roll back, no
@@ -528,6 +539,7 @@ async fn a_consumer_killed_mid_handler_loses_nothing(id: &str) {
         }
     }
     ledger.cleanup().await;
+    bench.remove().await;
 }
 
 /// Two consumers compete for one URL's messages, duplicates of both kinds
@@ -598,6 +610,7 @@ async fn competing_consumers_apply_each_once(id: &str) {
         );
     }
     ledger.cleanup().await;
+    bench.remove().await;
 }
 
 /// Holds each consumer's first delivery until every consumer of a
@@ -730,6 +743,7 @@ async fn each_record_keys_order_where_the_broker_keeps_it(id: &str) {
         }
     }
     ledger.cleanup().await;
+    bench.remove().await;
 }
 
 /// The suite for each broker: `feature => module (registry id)`.

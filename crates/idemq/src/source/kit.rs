@@ -22,7 +22,7 @@ impl Broker {
     /// no offset-watermark mode, messages published before a subscription
     /// are kept, the key is the transport key or else the message id, and
     /// competing consumers share one URL.
-    pub(crate) const fn of<C, S, P>(
+    pub const fn of<C, S, P>(
         id: &'static str,
         name: &'static str,
         schemes: &'static [&'static str],
@@ -43,6 +43,7 @@ impl Broker {
             competing_url: same_url,
             open_source: open_source::<C, S>,
             open_publisher: open_publisher::<C, P>,
+            remove: remove::<C>,
         }
     }
 
@@ -81,7 +82,7 @@ impl Broker {
 }
 
 /// A broker's configuration, parsed from its URL without connecting.
-pub(crate) trait BrokerConfig: Sized + Send {
+pub trait BrokerConfig: Sized + Send {
     /// Parses `url` (errors of kind `Config`, never showing a secret).
     fn parse(url: &str) -> Result<Self, SourceError>;
 
@@ -91,22 +92,29 @@ pub(crate) trait BrokerConfig: Sized + Send {
     fn publisher_url(url: &str) -> String {
         url.to_owned()
     }
+
+    /// Deletes what opening this configuration may have created on the
+    /// broker (a queue, a stream, a topic) with the messages in it: for
+    /// tests and benchmarks. Nothing by default.
+    fn remove(self) -> impl Future<Output = Result<(), SourceError>> + Send {
+        async { Ok(()) }
+    }
 }
 
 /// A source or publisher that connects from a parsed configuration `C`.
-pub(crate) trait ConnectWith<C>: Sized {
+pub trait ConnectWith<C>: Sized {
     /// Connects.
     fn connect_with(config: C) -> impl Future<Output = Result<Self, SourceError>> + Send;
 }
 
 /// [`Broker::check`](super::registry::Broker::check): parses, connects nothing.
-pub(crate) fn check_url<C: BrokerConfig>(url: &str) -> Result<(), SourceError> {
+pub fn check_url<C: BrokerConfig>(url: &str) -> Result<(), SourceError> {
     C::parse(url).map(|_| ())
 }
 
 /// [`Broker::open_source`](super::registry::Broker::open_source) of a broker
 /// whose configuration is `C` and whose source is `S`.
-pub(crate) fn open_source<C, S>(url: &str) -> BoxFuture<'_, Result<Box<dyn Source>, SourceError>>
+pub fn open_source<C, S>(url: &str) -> BoxFuture<'_, Result<Box<dyn Source>, SourceError>>
 where
     C: BrokerConfig,
     S: Source + ConnectWith<C> + 'static,
@@ -120,7 +128,7 @@ where
 /// [`Broker::open_publisher`](super::registry::Broker::open_publisher) of a
 /// broker whose configuration is `C` and whose publisher is `P`: the URL
 /// goes through [`BrokerConfig::publisher_url`] first.
-pub(crate) fn open_publisher<C, P>(
+pub fn open_publisher<C, P>(
     url: &str,
 ) -> BoxFuture<'_, Result<Box<dyn Publisher>, SourceError>>
 where
@@ -133,9 +141,15 @@ where
     })
 }
 
+/// [`Broker::remove`](super::registry::Broker::remove) of a broker whose
+/// configuration is `C`.
+pub fn remove<C: BrokerConfig>(url: &str) -> BoxFuture<'_, Result<(), SourceError>> {
+    Box::pin(async move { C::parse(url)?.remove().await })
+}
+
 /// An error of kind `Broker` from `broker`'s client while doing `what`:
 /// the message reads `"{broker} {what}: {err}"` and `err` stays its `source()`.
-pub(crate) fn broker_error(broker: &str, what: &str, err: impl Into<BoxError>) -> SourceError {
+pub fn broker_error(broker: &str, what: &str, err: impl Into<BoxError>) -> SourceError {
     let err = err.into();
     SourceError::broker(format!("{broker} {what}: {err}")).with_source(err)
 }

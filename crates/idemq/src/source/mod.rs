@@ -21,16 +21,7 @@ pub mod idle;
 pub mod jsonl;
 #[cfg(feature = "kafka")]
 pub mod kafka;
-#[cfg(any(
-    feature = "amqp",
-    feature = "kafka",
-    feature = "mqtt",
-    feature = "nats",
-    feature = "redis-streams",
-    feature = "rocketmq",
-    feature = "sqs"
-))]
-mod kit;
+pub mod kit;
 #[cfg(feature = "mqtt")]
 pub mod mqtt;
 #[cfg(feature = "nats")]

@@ -31,6 +31,9 @@ pub type OpenSource = for<'a> fn(&'a str) -> BoxFuture<'a, Result<Box<dyn Source
 pub type OpenPublisher =
     for<'a> fn(&'a str) -> BoxFuture<'a, Result<Box<dyn Publisher>, SourceError>>;
 
+/// Deletes what opening a URL created.
+pub type Remove = for<'a> fn(&'a str) -> BoxFuture<'a, Result<(), SourceError>>;
+
 /// What idemq knows of one broker it was built with.
 #[derive(Clone, Copy)]
 #[non_exhaustive]
@@ -61,6 +64,11 @@ pub struct Broker {
     /// Opens a URL as a publisher for `idemq produce` and the relay
     /// (connects; parameters only a consumer needs may be left out).
     pub open_publisher: OpenPublisher,
+    /// Deletes what opening a URL created on the broker (a queue, a stream,
+    /// a topic) with its messages: tests and benchmarks clean up with it.
+    /// Brokers whose objects expire on their own (MQTT sessions) or that
+    /// need an operator to delete them (RocketMQ topics) do nothing.
+    pub remove: Remove,
 }
 
 impl std::fmt::Debug for Broker {

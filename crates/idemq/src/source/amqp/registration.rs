@@ -13,6 +13,13 @@ impl BrokerConfig for AmqpConfig {
     fn parse(url: &str) -> Result<Self, SourceError> {
         Self::from_url(url)
     }
+
+    /// Deletes every queue of the topology.
+    async fn remove(self) -> Result<(), SourceError> {
+        let publisher = AmqpPublisher::connect(self).await?;
+        publisher.delete_topology().await?;
+        publisher.close().await
+    }
 }
 
 impl ConnectWith<AmqpConfig> for AmqpSource {

@@ -111,7 +111,7 @@ mod registration;
 mod source;
 
 pub use config::{default_key_spec, KafkaConfig, DEAD_LETTER_REASON_HEADER, MESSAGE_ID_HEADER};
-pub use publisher::{create_topic, KafkaPublisher};
+pub use publisher::{create_topic, delete_topic, KafkaPublisher};
 pub use registration::BROKER;
 pub use source::{KafkaCounters, KafkaSource};
 

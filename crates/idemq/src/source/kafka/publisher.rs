@@ -47,6 +47,32 @@ pub async fn create_topic(
     }
 }
 
+/// Deletes `topic` with its records; a topic that does not exist is no error.
+pub async fn delete_topic(brokers: &str, topic: &str) -> Result<(), SourceError> {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::types::RDKafkaErrorCode;
+
+    validate_topic(topic).map_err(SourceError::config)?;
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .map_err(|e| SourceError::config(format!("kafka admin client: {e}")))?;
+    let results = admin
+        .delete_topics(
+            &[topic],
+            &AdminOptions::new().request_timeout(Some(Duration::from_secs(30))),
+        )
+        .await
+        .map_err(broker)?;
+    match results.into_iter().next() {
+        Some(Ok(_)) | Some(Err((_, RDKafkaErrorCode::UnknownTopicOrPartition))) | None => Ok(()),
+        Some(Err((name, code))) => Err(SourceError::broker(format!(
+            "deleting topic {name:?}: {code}"
+        ))),
+    }
+}
+
 pub(super) fn producer(brokers: &str) -> Result<FutureProducer, SourceError> {
     ClientConfig::new()
         .set("bootstrap.servers", brokers)

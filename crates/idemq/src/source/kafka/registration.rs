@@ -21,6 +21,11 @@ impl BrokerConfig for KafkaConfig {
     fn publisher_url(url: &str) -> String {
         with_default_param(url, "group", "idemq-produce")
     }
+
+    /// Deletes the topic.
+    async fn remove(self) -> Result<(), SourceError> {
+        super::delete_topic(&self.brokers, &self.topic).await
+    }
 }
 
 impl ConnectWith<KafkaConfig> for KafkaSource {

@@ -13,6 +13,19 @@ impl BrokerConfig for NatsConfig {
     fn parse(url: &str) -> Result<Self, SourceError> {
         Self::from_url(url)
     }
+
+    /// Deletes the stream (and its consumers).
+    async fn remove(self) -> Result<(), SourceError> {
+        let stream = self.stream.clone();
+        let publisher = NatsPublisher::connect(self).await?;
+        match publisher.jetstream().delete_stream(&stream).await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(super::config::broker_error(
+                &format!("deleting stream {stream}"),
+                e,
+            )),
+        }
+    }
 }
 
 impl ConnectWith<NatsConfig> for NatsSource {

@@ -29,6 +29,18 @@ impl BrokerConfig for RedisStreamConfig {
     fn publisher_url(url: &str) -> String {
         with_default_param(url, "group", "idemq-produce")
     }
+
+    /// Deletes the stream key (and with it its consumer groups).
+    async fn remove(self) -> Result<(), SourceError> {
+        let mut conn =
+            super::conn::connection(&self.redis_url, super::conn::COMMAND_TIMEOUT).await?;
+        redis::cmd("DEL")
+            .arg(&self.stream)
+            .query_async::<i64>(&mut conn)
+            .await
+            .map(|_| ())
+            .map_err(|e| super::conn::broker_error(&format!("DEL {}", self.stream), e))
+    }
 }
 
 impl ConnectWith<RedisStreamConfig> for RedisStreamSource {

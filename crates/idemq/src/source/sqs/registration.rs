@@ -13,6 +13,21 @@ impl BrokerConfig for SqsConfig {
     fn parse(url: &str) -> Result<Self, SourceError> {
         Self::from_url(url)
     }
+
+    /// Deletes the queue and its dead-letter queue, if they exist.
+    async fn remove(self) -> Result<(), SourceError> {
+        let client = self.client()?;
+        for name in std::iter::once(&self.queue).chain(&self.dead_letter_queue) {
+            let queue = super::queue::resolve_queue(&client, name, false).await?;
+            client
+                .delete_queue()
+                .queue_url(&queue.url)
+                .send()
+                .await
+                .map_err(|e| super::queue::broker_error(&format!("DeleteQueue {name}"), e))?;
+        }
+        Ok(())
+    }
 }
 
 impl ConnectWith<SqsConfig> for SqsSource {
