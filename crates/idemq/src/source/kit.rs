@@ -128,9 +128,7 @@ where
 /// [`Broker::open_publisher`](super::registry::Broker::open_publisher) of a
 /// broker whose configuration is `C` and whose publisher is `P`: the URL
 /// goes through [`BrokerConfig::publisher_url`] first.
-pub fn open_publisher<C, P>(
-    url: &str,
-) -> BoxFuture<'_, Result<Box<dyn Publisher>, SourceError>>
+pub fn open_publisher<C, P>(url: &str) -> BoxFuture<'_, Result<Box<dyn Publisher>, SourceError>>
 where
     C: BrokerConfig,
     P: Publisher + ConnectWith<C> + 'static,

@@ -22,15 +22,11 @@ pub async fn create_topic(
     topic: &str,
     partitions: i32,
 ) -> Result<bool, SourceError> {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    use rdkafka::client::DefaultClientContext;
+    use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
     use rdkafka::types::RDKafkaErrorCode;
 
     validate_topic(topic).map_err(SourceError::config)?;
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()
-        .map_err(|e| SourceError::config(format!("kafka admin client: {e}")))?;
+    let admin = admin_client(brokers)?;
     let results = admin
         .create_topics(
             &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
@@ -49,15 +45,11 @@ pub async fn create_topic(
 
 /// Deletes `topic` with its records; a topic that does not exist is no error.
 pub async fn delete_topic(brokers: &str, topic: &str) -> Result<(), SourceError> {
-    use rdkafka::admin::{AdminClient, AdminOptions};
-    use rdkafka::client::DefaultClientContext;
+    use rdkafka::admin::AdminOptions;
     use rdkafka::types::RDKafkaErrorCode;
 
     validate_topic(topic).map_err(SourceError::config)?;
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()
-        .map_err(|e| SourceError::config(format!("kafka admin client: {e}")))?;
+    let admin = admin_client(brokers)?;
     let results = admin
         .delete_topics(
             &[topic],
@@ -71,6 +63,15 @@ pub async fn delete_topic(brokers: &str, topic: &str) -> Result<(), SourceError>
             "deleting topic {name:?}: {code}"
         ))),
     }
+}
+
+fn admin_client(
+    brokers: &str,
+) -> Result<rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>, SourceError> {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .map_err(|e| SourceError::config(format!("kafka admin client: {e}")))
 }
 
 pub(super) fn producer(brokers: &str) -> Result<FutureProducer, SourceError> {

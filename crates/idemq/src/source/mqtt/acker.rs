@@ -52,18 +52,25 @@ impl Drop for MqttAcker {
     }
 }
 
-#[async_trait]
-impl Acknowledger for MqttAcker {
-    async fn ack(mut self: Box<Self>) -> Result<(), SourceError> {
-        let Some(incoming) = self.incoming.take() else {
-            return Ok(());
-        };
+impl MqttAcker {
+    /// Acknowledges the publish to the broker (QoS 1).
+    async fn puback(&self, incoming: &Incoming) -> Result<(), SourceError> {
         self.shared
             .link
             .client
             .ack(&incoming.publish)
             .await
             .map_err(|e| broker_error("PUBACK", e))
+    }
+}
+
+#[async_trait]
+impl Acknowledger for MqttAcker {
+    async fn ack(mut self: Box<Self>) -> Result<(), SourceError> {
+        let Some(incoming) = self.incoming.take() else {
+            return Ok(());
+        };
+        self.puback(&incoming).await
     }
 
     async fn nack(mut self: Box<Self>, delay: Duration) -> Result<(), SourceError> {
@@ -105,11 +112,6 @@ impl Acknowledger for MqttAcker {
                 return Err(e);
             }
         }
-        self.shared
-            .link
-            .client
-            .ack(&incoming.publish)
-            .await
-            .map_err(|e| broker_error("PUBACK", e))
+        self.puback(&incoming).await
     }
 }
