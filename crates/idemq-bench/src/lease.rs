@@ -155,10 +155,7 @@ async fn idemq_redis_batched(
         }))
         .build()?;
     let queue = queue_of(n);
-    let options = BatchOptions {
-        max_size: size,
-        max_wait: Duration::from_millis(20),
-    };
+    let options = BatchOptions::new(size, Duration::from_millis(20));
     let started = Instant::now();
     let summary = consumer.run_batched(queue.source(), options).await?;
     let elapsed = started.elapsed();

@@ -189,10 +189,7 @@ macro_rules! backend {
                 size: usize,
             ) -> anyhow::Result<f64> {
                 let queue = queue_of(n);
-                let options = BatchOptions {
-                    max_size: size,
-                    max_wait: Duration::from_millis(5),
-                };
+                let options = BatchOptions::new(size, Duration::from_millis(5));
                 let started = Instant::now();
                 let summary = consumer.run_batched(queue.source(), options).await?;
                 let elapsed = started.elapsed();

@@ -451,6 +451,7 @@ kinded_error!(SourceError, SourceErrorKind);
 
 /// A configuration error found while building a consumer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// The consumer name is empty, too long or contains control characters.
     #[error("invalid consumer name {0:?}: 1 to 128 bytes, no control characters")]

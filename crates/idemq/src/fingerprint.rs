@@ -20,6 +20,7 @@ use crate::message::Message;
 /// assert_eq!(a, b); // only the chosen fields count
 /// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum FingerprintSpec {
     /// SHA-256 of the whole payload bytes (the default).
     #[default]

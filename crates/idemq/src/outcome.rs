@@ -9,6 +9,7 @@ use crate::store::InboxRecord;
 
 /// Why a message was dead-lettered.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum DeadLetterReason {
     /// The message itself is unusable (no key, malformed, too long, ...).
     InvalidInput(InputError),
@@ -44,6 +45,7 @@ impl std::fmt::Display for DeadLetterReason {
 
 /// How one delivery of a message ended.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum Outcome {
     /// The handler ran and its effects committed; then the delivery was acked.
     Processed {
@@ -110,6 +112,7 @@ impl Outcome {
 
 /// The kinds of [`Outcome`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
 pub enum OutcomeKind {
     /// See [`Outcome::Processed`].
     Processed,

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 /// Retries of retryable failures: bounded, with exponential backoff.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct RetryPolicy {
     /// Attempts before a message is dead-lettered (the first delivery counts as attempt 1).
     pub max_attempts: u32,
@@ -42,6 +43,59 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// With [`max_attempts`](Self::max_attempts).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idemq::RetryPolicy;
+    ///
+    /// let retry = RetryPolicy::default()
+    ///     .with_max_attempts(3)
+    ///     .with_initial_backoff(Duration::from_millis(100))
+    ///     .with_jitter(0.0);
+    /// assert_eq!(retry.backoff(2), Duration::from_millis(200));
+    /// ```
+    pub fn with_max_attempts(mut self, max_attempts: u32) -> Self {
+        self.max_attempts = max_attempts;
+        self
+    }
+
+    /// With [`initial_backoff`](Self::initial_backoff).
+    pub fn with_initial_backoff(mut self, initial_backoff: Duration) -> Self {
+        self.initial_backoff = initial_backoff;
+        self
+    }
+
+    /// With [`max_backoff`](Self::max_backoff).
+    pub fn with_max_backoff(mut self, max_backoff: Duration) -> Self {
+        self.max_backoff = max_backoff;
+        self
+    }
+
+    /// With [`multiplier`](Self::multiplier).
+    pub fn with_multiplier(mut self, multiplier: f64) -> Self {
+        self.multiplier = multiplier;
+        self
+    }
+
+    /// With [`jitter`](Self::jitter).
+    pub fn with_jitter(mut self, jitter: f64) -> Self {
+        self.jitter = jitter;
+        self
+    }
+
+    /// With [`busy_delay`](Self::busy_delay).
+    pub fn with_busy_delay(mut self, busy_delay: Duration) -> Self {
+        self.busy_delay = busy_delay;
+        self
+    }
+
+    /// With [`max_deliveries`](Self::max_deliveries).
+    pub fn with_max_deliveries(mut self, max_deliveries: Option<u32>) -> Self {
+        self.max_deliveries = max_deliveries;
+        self
+    }
+
     /// The delay after failed attempt number `attempt` (1-based).
     pub fn backoff(&self, attempt: u32) -> Duration {
         let exp = self
@@ -60,6 +114,7 @@ impl RetryPolicy {
 
 /// What to do with a message whose key was processed before with a different payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum ConflictPolicy {
     /// Write a dead letter with reason `conflict` and ack (default): nothing is
     /// lost, and an operator can look at both payloads.
@@ -78,6 +133,7 @@ pub enum ConflictPolicy {
 /// when the first commits, or takes over the key when it rolls back. That is
 /// the `Wait` behaviour, bounded by the database's lock timeout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum InFlightPolicy {
     /// Retry the duplicate later, after [`RetryPolicy::busy_delay`], without
     /// counting an attempt (default). For HTTP-style callers this is a 409.
@@ -107,6 +163,7 @@ impl InFlightPolicy {
 
 /// How long inbox rows are kept, and how pruning runs.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct RetentionPolicy {
     /// Rows older than this are pruned. Must exceed the longest time the
     /// broker may redeliver a message (R7), or a late duplicate applies again.

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use idemq::source::amqp::{AmqpConfig, AmqpPublisher, AmqpSource, QueueType, REASON_HEADER};
 use idemq::DeadLetterReason;
-use idemq::{Message, OutcomeKind, RetryPolicy};
+use idemq::{Message, OutcomeKind};
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use support::{
@@ -242,10 +242,7 @@ async fn quorum_queue_delivery_count_dead_letters_a_consumer_killer() {
     let plan = Arc::new(Plan::default());
     let consumer = ledger
         .consumer("amqp-quorum", Arc::clone(&plan))
-        .retry(RetryPolicy {
-            max_deliveries: Some(2),
-            ..support::fast_retry()
-        })
+        .retry(support::fast_retry().with_max_deliveries(Some(2)))
         .build()
         .unwrap();
     rabbit

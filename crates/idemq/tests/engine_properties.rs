@@ -169,14 +169,14 @@ async fn run_async(scenario: &Scenario) -> Result<(), TestCaseError> {
     let consumer = Consumer::builder("props", store.clone())
         .key(KeySpec::json("/k"))
         .lease(LEASE)
-        .retry(RetryPolicy {
-            max_attempts: 100,
-            initial_backoff: Duration::from_millis(1),
-            max_backoff: Duration::from_millis(5),
-            busy_delay: Duration::from_millis(5),
-            jitter: 0.0,
-            ..RetryPolicy::default()
-        })
+        .retry(
+            RetryPolicy::default()
+                .with_max_attempts(100)
+                .with_initial_backoff(Duration::from_millis(1))
+                .with_max_backoff(Duration::from_millis(5))
+                .with_busy_delay(Duration::from_millis(5))
+                .with_jitter(0.0),
+        )
         .on_outcome(move |outcome| {
             if !matches!(outcome, Outcome::RetryLater { .. }) {
                 *hook_world.outcomes.lock().unwrap() += 1;

@@ -592,10 +592,8 @@ async fn key_dedup_on_top_catches_producer_retries<B: Backend>() {
     publish(&topic, &workload.messages).await;
     let plan = Arc::new(Plan::default());
     let (consumer, seen) = counting(&ledger, "wm-keys", &plan);
-    let options = WatermarkOptions {
-        dedup_keys: true,
-        ..WatermarkOptions::default()
-    };
+    let mut options = WatermarkOptions::default();
+    options.dedup_keys = true;
     let total = workload.messages.len();
     let summary = run_for(
         &consumer,
@@ -735,10 +733,9 @@ async fn a_rebalance_with_messages_in_flight<B: Backend>(options: WatermarkOptio
 
 /// Watermark options with records of a partition applied concurrently.
 fn concurrent() -> WatermarkOptions {
-    WatermarkOptions {
-        concurrent_records: true,
-        ..WatermarkOptions::default()
-    }
+    let mut options = WatermarkOptions::default();
+    options.concurrent_records = true;
+    options
 }
 
 /// With concurrent records, one partition's first record sleeps in its

@@ -175,15 +175,14 @@ impl Publisher for Probe {
 }
 
 fn options(name: &str) -> RelayOptions {
-    RelayOptions {
-        batch_size: 4,
-        poll_interval: Duration::from_millis(20),
-        initial_backoff: Duration::from_millis(50),
-        max_backoff: Duration::from_millis(200),
-        publish_timeout: Duration::from_secs(5),
-        name: name.to_owned(),
-        ..RelayOptions::default()
-    }
+    let mut options = RelayOptions::default();
+    options.batch_size = 4;
+    options.poll_interval = Duration::from_millis(20);
+    options.initial_backoff = Duration::from_millis(50);
+    options.max_backoff = Duration::from_millis(200);
+    options.publish_timeout = Duration::from_secs(5);
+    options.name = name.to_owned();
+    options
 }
 
 /// A shutdown switch for relays and consumers.
@@ -529,15 +528,11 @@ async fn a_row_that_cannot_be_published_is_dead_lettered<DB: OutboxDatabase>(
     let (too_large, unreachable) = (ids[&("k-0", 1)].clone(), ids[&("k-1", 0)].clone());
     let mut probe = Probe::new(&stream).await;
     probe.refuse = HashMap::from([(too_large.clone(), true), (unreachable.clone(), false)]);
-    let relay = Relay::new(
-        pool.clone(),
-        outbox.clone(),
-        Arc::new(probe),
-        RelayOptions {
-            max_attempts: Some(3),
-            ..options("dead")
-        },
-    );
+    let relay = Relay::new(pool.clone(), outbox.clone(), Arc::new(probe), {
+        let mut options = options("dead");
+        options.max_attempts = Some(3);
+        options
+    });
 
     // Batch of 4: k-0's rows 0..=3; row 1 dies, 0, 2 and 3 go out.
     let first = relay.relay_once().await.unwrap();
@@ -646,15 +641,11 @@ async fn a_relay_killed_before_the_delete_republishes_the_same_ids<DB: OutboxDat
     let mut probe = Probe::new(&stream).await;
     probe.hang_after = Some(3);
     let hung = Arc::clone(&probe.hung);
-    let doomed = Relay::new(
-        killed_pool,
-        outbox.clone(),
-        Arc::new(probe),
-        RelayOptions {
-            batch_size: 10,
-            ..options("doomed")
-        },
-    );
+    let doomed = Relay::new(killed_pool, outbox.clone(), Arc::new(probe), {
+        let mut options = options("doomed");
+        options.batch_size = 10;
+        options
+    });
     let run = tokio::spawn(async move { doomed.run(std::future::pending()).await });
     tokio::time::timeout(Duration::from_secs(10), hung.notified())
         .await
@@ -765,9 +756,10 @@ mod postgres {
             pool.clone(),
             outbox.clone(),
             Arc::new(Probe::new(&stream).await),
-            RelayOptions {
-                poll_interval: Duration::from_secs(60),
-                ..options("listener")
+            {
+                let mut options = options("listener");
+                options.poll_interval = Duration::from_secs(60);
+                options
             },
         );
         let (stop, shutdown) = switch();
@@ -851,12 +843,12 @@ mod end_to_end {
         Consumer::builder("billing", store.clone())
             .key(KeySpec::header("event_id"))
             .concurrency(4)
-            .retry(RetryPolicy {
-                initial_backoff: Duration::from_millis(50),
-                busy_delay: Duration::from_millis(100),
-                jitter: 0.0,
-                ..RetryPolicy::default()
-            })
+            .retry(
+                RetryPolicy::default()
+                    .with_initial_backoff(Duration::from_millis(50))
+                    .with_busy_delay(Duration::from_millis(100))
+                    .with_jitter(0.0),
+            )
             .on_outcome(move |o| {
                 if o.kind() == OutcomeKind::Duplicate {
                     duplicates.fetch_add(1, Ordering::SeqCst);
@@ -983,15 +975,11 @@ mod end_to_end {
         let mut doomed = Probe::new(&stream).await;
         doomed.hang_after = Some(5);
         let hung = Arc::clone(&doomed.hung);
-        let first = Relay::new(
-            pool.clone(),
-            outbox.clone(),
-            Arc::new(doomed),
-            RelayOptions {
-                batch_size: 50,
-                ..options("doomed")
-            },
-        );
+        let first = Relay::new(pool.clone(), outbox.clone(), Arc::new(doomed), {
+            let mut options = options("doomed");
+            options.batch_size = 50;
+            options
+        });
         let doomed_run = tokio::spawn(async move { first.run(std::future::pending()).await });
 
         // Chaos: relays and consumers run for random spans and are aborted.

@@ -70,14 +70,12 @@ async fn cleanup(store: &RedisStore, prefix: &str) {
 }
 
 fn retry() -> RetryPolicy {
-    RetryPolicy {
-        max_attempts: 3,
-        initial_backoff: Duration::from_millis(10),
-        max_backoff: Duration::from_millis(50),
-        jitter: 0.0,
-        busy_delay: Duration::from_millis(20),
-        ..RetryPolicy::default()
-    }
+    RetryPolicy::default()
+        .with_max_attempts(3)
+        .with_initial_backoff(Duration::from_millis(10))
+        .with_max_backoff(Duration::from_millis(50))
+        .with_jitter(0.0)
+        .with_busy_delay(Duration::from_millis(20))
 }
 
 /// A downstream system that remembers the fencing numbers it accepted per

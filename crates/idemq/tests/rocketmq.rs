@@ -23,7 +23,7 @@ use idemq::source::rocketmq::{
 };
 use idemq::source::Source;
 use idemq::DeadLetterReason;
-use idemq::{Message, Outcome, OutcomeKind, RetryPolicy, Summary};
+use idemq::{Message, Outcome, OutcomeKind, Summary};
 use support::{payment, Ledger, Plan};
 
 const NAME_SERVER: &str = "127.0.0.1:9876";
@@ -221,10 +221,7 @@ async fn retries_then_dead_letter() {
     let seen = Seen::default();
     let consumer = ledger
         .consumer("rocketmq-retry", Arc::clone(&plan))
-        .retry(RetryPolicy {
-            max_attempts: 2,
-            ..support::fast_retry()
-        })
+        .retry(support::fast_retry().with_max_attempts(2))
         .on_outcome(seen.hook())
         .build()
         .unwrap();

@@ -96,10 +96,9 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
     }
     let result = match args.batch {
         None if args.watermark => {
-            let options = WatermarkOptions {
-                dedup_keys: args.dedup_keys,
-                concurrent_records: args.concurrent_records,
-            };
+            let mut options = WatermarkOptions::default();
+            options.dedup_keys = args.dedup_keys;
+            options.concurrent_records = args.concurrent_records;
             B::run_watermarked(&consumer, source, options, Box::pin(interrupt.wait()))
                 .await
                 .ok_or_else(|| {
@@ -111,10 +110,7 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
         }
         None => consumer.run_until(source, interrupt.wait()).await,
         Some(max_size) => {
-            let options = BatchOptions {
-                max_size,
-                max_wait: args.batch_wait,
-            };
+            let options = BatchOptions::new(max_size, args.batch_wait);
             B::run_batched(&consumer, source, options, Box::pin(interrupt.wait()))
                 .await
                 .ok_or_else(|| {
@@ -143,7 +139,7 @@ fn print_summary(args: &ConsumeArgs, summary: &Summary) {
     println!("consumer {}: {summary}", args.consumer);
     let conflicts_dead_lettered = match args.processing.on_conflict.into() {
         ConflictPolicy::DeadLetter => summary.count(OutcomeKind::Conflict),
-        ConflictPolicy::Ignore => 0,
+        _ => 0,
     };
     if summary.count(OutcomeKind::DeadLettered) + conflicts_dead_lettered > 0 {
         println!(

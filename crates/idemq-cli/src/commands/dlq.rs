@@ -246,7 +246,8 @@ impl Verdict {
             Some(Outcome::RetryLater { error, .. }) => Verdict::Unfinished {
                 error: Some(error.clone()),
             },
-            None => Verdict::Unfinished { error: None },
+            // An outcome kind newer than this command: the letter stays.
+            None | Some(_) => Verdict::Unfinished { error: None },
         }
     }
 

@@ -64,10 +64,10 @@ fn configure<B: Backend>(builder: ConsumerBuilder<B>, args: &ProcessingArgs) -> 
                 .unwrap_or_else(|| KeySpec::transport_key().or(KeySpec::id())),
         )
         .fingerprint(args.fingerprint.clone())
-        .retry(RetryPolicy {
-            max_attempts: args.max_attempts,
-            initial_backoff: args.backoff,
-            ..RetryPolicy::default()
-        })
+        .retry(
+            RetryPolicy::default()
+                .with_max_attempts(args.max_attempts)
+                .with_initial_backoff(args.backoff),
+        )
         .on_conflict(args.on_conflict.into())
 }

@@ -10,11 +10,10 @@ use crate::PruneArgs;
 
 /// Deletes inbox rows older than `--older-than`.
 pub async fn run<B: Backend>(store: &B, args: &PruneArgs) -> Result<ExitCode> {
-    let policy = RetentionPolicy {
-        keep_for: args.older_than.value,
-        batch_size: args.batch_size,
-        pause: args.pause,
-    };
+    let mut policy = RetentionPolicy::default();
+    policy.keep_for = args.older_than.value;
+    policy.batch_size = args.batch_size;
+    policy.pause = args.pause;
     let rows = idemq::retention::prune(store, &policy)
         .await
         .context("pruning the inbox")?;

@@ -121,15 +121,13 @@ async fn relay<DB: OutboxDatabase>(
             .with_context(|| format!("creating {} in {url}", outbox.table()))?;
     }
     let table = outbox.table().to_owned();
-    let options = RelayOptions {
-        batch_size: args.batch,
-        poll_interval: args.poll_interval,
-        idle_exit: args.idle_exit,
-        publish_timeout: args.publish_timeout,
-        max_attempts: (args.max_attempts > 0).then_some(args.max_attempts),
-        name: format!("relay-{}", std::process::id()),
-        ..RelayOptions::default()
-    };
+    let mut options = RelayOptions::default();
+    options.batch_size = args.batch;
+    options.poll_interval = args.poll_interval;
+    options.idle_exit = args.idle_exit;
+    options.publish_timeout = args.publish_timeout;
+    options.max_attempts = (args.max_attempts > 0).then_some(args.max_attempts);
+    options.name = format!("relay-{}", std::process::id());
     let relay = Relay::new(pool, outbox, publisher, options).only(args.destinations.clone());
     let interrupt = Interrupt::listen();
     let stats = relay

@@ -52,12 +52,21 @@ use crate::store::{BatchStore, LeaseBatchStore, Store};
 
 /// How batches are formed in [`Consumer::run_batched`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BatchOptions {
     /// At most this many messages per batch (and per transaction).
     pub max_size: usize,
     /// After the first message of a batch arrived, wait at most this long for
     /// more before running the batch.
     pub max_wait: Duration,
+}
+
+impl BatchOptions {
+    /// Batches of at most `max_size` messages, waiting at most `max_wait`
+    /// for more after the first.
+    pub fn new(max_size: usize, max_wait: Duration) -> Self {
+        Self { max_size, max_wait }
+    }
 }
 
 impl Default for BatchOptions {

@@ -57,6 +57,7 @@ use crate::store::OffsetStore;
 
 /// How [`Consumer::run_watermarked`] deduplicates.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct WatermarkOptions {
     /// Also claim the business key in the same transaction, to catch
     /// producer retries (new offset, same key). Off by default.

@@ -99,6 +99,7 @@ pub const MAX_KEY_CHARS: usize = 512;
 
 /// A failure of the outbox or its relay.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum OutboxError {
     /// The database failed.
     #[error("outbox database: {0}")]

@@ -20,6 +20,7 @@ const DELETE_CHUNK: usize = 500;
 
 /// How a [`Relay`] claims, publishes and waits.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct RelayOptions {
     /// Rows per batch (one transaction). Default 100.
     pub batch_size: usize,

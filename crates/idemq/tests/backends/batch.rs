@@ -103,10 +103,7 @@ where
 }
 
 fn options(max_size: usize) -> BatchOptions {
-    BatchOptions {
-        max_size,
-        max_wait: Duration::from_millis(5),
-    }
+    BatchOptions::new(max_size, Duration::from_millis(5))
 }
 
 pub async fn exactly_once_with_duplicates_inside_and_across_batches<B: Backend>()

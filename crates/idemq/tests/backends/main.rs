@@ -41,10 +41,8 @@ mod redis {
     async fn the_first_copy_in_order_wins_across_lease_batches() {
         crate::scenarios::first_copies_win::<crate::backend::RedisBackend>(8, |consumer, queue| {
             Box::pin(async move {
-                let options = idemq::engine::BatchOptions {
-                    max_size: 20,
-                    max_wait: std::time::Duration::from_millis(5),
-                };
+                let options =
+                    idemq::engine::BatchOptions::new(20, std::time::Duration::from_millis(5));
                 consumer.run_batched(queue.source(), options).await
             })
         })

@@ -92,14 +92,12 @@ macro_rules! suite {
 pub(crate) use suite;
 
 pub(crate) fn fast_retries(max_attempts: u32) -> RetryPolicy {
-    RetryPolicy {
-        max_attempts,
-        initial_backoff: Duration::from_millis(5),
-        max_backoff: Duration::from_millis(20),
-        jitter: 0.0,
-        busy_delay: Duration::from_millis(5),
-        ..RetryPolicy::default()
-    }
+    RetryPolicy::default()
+        .with_max_attempts(max_attempts)
+        .with_initial_backoff(Duration::from_millis(5))
+        .with_max_backoff(Duration::from_millis(20))
+        .with_jitter(0.0)
+        .with_busy_delay(Duration::from_millis(5))
 }
 
 pub(crate) fn consumer<B: Backend>(
@@ -381,10 +379,7 @@ pub async fn a_message_that_keeps_crashing_hits_the_delivery_limit<B: Backend>()
     let limited = || {
         consumer(&backend, "ledger", &plan)
             .lease(Duration::from_millis(300))
-            .retry(RetryPolicy {
-                max_deliveries: Some(1),
-                ..fast_retries(3)
-            })
+            .retry(fast_retries(3).with_max_deliveries(Some(1)))
     };
     // The first delivery takes the consumer down mid-handler: no failure is counted.
     let first = limited().build().unwrap();

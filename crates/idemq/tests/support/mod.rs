@@ -230,15 +230,14 @@ impl Ledger {
 
 /// 3 attempts, 50 ms backoff without jitter, 100 ms busy delay.
 pub fn fast_retry() -> RetryPolicy {
-    RetryPolicy {
-        max_attempts: 3,
-        initial_backoff: Duration::from_millis(50),
-        multiplier: 2.0,
-        max_backoff: Duration::from_millis(500),
-        jitter: 0.0,
-        busy_delay: Duration::from_millis(100),
-        max_deliveries: None,
-    }
+    RetryPolicy::default()
+        .with_max_attempts(3)
+        .with_initial_backoff(Duration::from_millis(50))
+        .with_max_backoff(Duration::from_millis(500))
+        .with_multiplier(2.0)
+        .with_jitter(0.0)
+        .with_busy_delay(Duration::from_millis(100))
+        .with_max_deliveries(None)
 }
 
 /// Test messages: what to publish, and what the ledger must hold afterwards.
@@ -482,6 +481,7 @@ pub fn outcome_key(outcome: &Outcome) -> Option<String> {
             Some(record.key.clone())
         }
         Outcome::RetryLater { key, .. } | Outcome::DeadLettered { key, .. } => key.clone(),
+        other => panic!("an outcome this support does not know: {other:?}"),
     }
 }
 
@@ -775,12 +775,10 @@ pub fn assert_dead_letter_copies(
 
 /// `fast_retry` with a fixed backoff of `delay` between attempts.
 pub fn fixed_backoff(delay: Duration) -> RetryPolicy {
-    RetryPolicy {
-        initial_backoff: delay,
-        max_backoff: delay,
-        multiplier: 1.0,
-        ..fast_retry()
-    }
+    fast_retry()
+        .with_initial_backoff(delay)
+        .with_max_backoff(delay)
+        .with_multiplier(1.0)
 }
 
 /// Two payments for the retry tests: `p-flaky` (amount 3) fails twice and

@@ -171,10 +171,7 @@ pub async fn run(args: WorkerArgs, global: &crate::GlobalArgs) -> Result<ExitCod
         .handler(handler)
         .concurrency(args.concurrency.max(1))
         .lease(args.lease)
-        .retry(RetryPolicy {
-            max_attempts: args.max_attempts.max(1),
-            ..RetryPolicy::default()
-        })
+        .retry(RetryPolicy::default().with_max_attempts(args.max_attempts.max(1)))
         .build()
         .map_err(crate::exit::usage)?;
     let source = args

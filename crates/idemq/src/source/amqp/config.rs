@@ -14,6 +14,7 @@ const MAX_QUEUE_NAME: usize = 200;
 
 /// The type of the work queue.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum QueueType {
     /// A classic queue (the default).
     #[default]
@@ -38,6 +39,7 @@ impl QueueType {
 
 /// Where to connect and which queue to consume.
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct AmqpConfig {
     pub(super) uri: AMQPUri,
     pub(super) queue: String,

@@ -25,6 +25,7 @@ pub fn default_key_spec() -> KeySpec {
 
 /// How to reach the broker, what to consume, and the consumer-group tuning.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KafkaConfig {
     /// Bootstrap servers, `host:port[,host:port…]`.
     pub brokers: String,

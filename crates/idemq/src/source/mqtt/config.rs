@@ -14,6 +14,7 @@ use crate::source::url::{Bare, BrokerUrl};
 /// [`MqttConfig::new`] and the public fields, or parse a URL with
 /// [`MqttConfig::from_url`].
 #[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MqttConfig {
     /// Broker host.
     pub host: String,

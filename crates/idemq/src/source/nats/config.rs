@@ -13,6 +13,7 @@ const MAX_BATCH: usize = 10_000;
 /// [`NatsConfig::new`] and the builder methods, or parse a URL with
 /// [`NatsConfig::from_url`].
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct NatsConfig {
     /// The server URL, e.g. `nats://127.0.0.1:4222` (credentials may be in it).
     pub server: String,

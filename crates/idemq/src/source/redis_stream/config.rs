@@ -8,6 +8,7 @@ use crate::source::url::{Bare, BrokerUrl};
 /// Where and how to consume one stream. Build it with [`RedisStreamConfig::new`]
 /// and the public fields, or parse a URL with [`RedisStreamConfig::from_url`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RedisStreamConfig {
     /// The Redis URL, `redis://[user:password@]host:port[/db]`.
     pub redis_url: String,

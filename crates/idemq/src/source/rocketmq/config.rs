@@ -7,6 +7,7 @@ use crate::source::url::{Bare, BrokerUrl};
 
 /// Where a group without a consumer offset starts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StartFrom {
     /// The first message still stored (default): nothing published before the
     /// group first started is skipped.
@@ -18,6 +19,7 @@ pub enum StartFrom {
 
 /// How to reach the name server, what to consume, and the consumer tuning.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RocketMqConfig {
     /// Name server addresses, `host:port[;host:port…]`.
     pub name_server: String,

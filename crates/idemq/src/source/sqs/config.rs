@@ -17,6 +17,7 @@ const MAX_BATCH: i32 = 10;
 /// Where and how to reach an SQS queue. Build it with [`SqsConfig::new`] and
 /// the builder methods, or parse a URL with [`SqsConfig::from_url`].
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct SqsConfig {
     /// The queue name (not its URL); a name ending in `.fifo` is a FIFO queue.
     pub queue: String,

@@ -8,6 +8,7 @@ use crate::error::StoreError;
 ///
 /// [`RedisStore`]: super::RedisStore
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct RedisOptions {
     /// Prefix of every Redis key (default `idemq`; must not contain `{` or `}`).
     pub prefix: String,

@@ -34,6 +34,7 @@ use crate::error::{ConfigError, StoreError, StoreErrorKind};
 
 /// Options shared by the SQL stores.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct SqlOptions {
     /// Prefix of the table names (default `idemq_`), validated as an identifier.
     pub table_prefix: String,
