@@ -5,7 +5,9 @@
 //!
 //! A broker implements [`BrokerConfig`] for its configuration and
 //! [`ConnectWith`] for its source and its publisher; its registration is then
-//! one [`Broker::of`](super::registry::Broker) value.
+//! one [`Broker::of`](super::registry::Broker) value. Its acknowledger holds
+//! what it settles in an [`Unsettled`], which settles once and hands the
+//! delivery back ([`Redeliver`]) when dropped unsettled.
 
 use std::future::Future;
 
@@ -105,6 +107,69 @@ pub trait BrokerConfig: Sized + Send {
 pub trait ConnectWith<C>: Sized {
     /// Connects.
     fn connect_with(config: C) -> impl Future<Output = Result<Self, SourceError>> + Send;
+}
+
+/// What a broker does with a delivery whose acknowledger was dropped
+/// before any act settled it (its task was cancelled, its consumer crashed):
+/// a drop is never an ack.
+pub trait Redeliver: Send + Sync {
+    /// Hands the delivery back: requeue it, hand it out again, or leave it
+    /// to the broker's own timeout. Runs in `Drop`: no waiting here.
+    fn redeliver(self);
+}
+
+/// The skeleton of every broker's acknowledger: what a delivery is settled
+/// with, held until the one act that settles it [takes](Self::take) it.
+/// Dropped while still held, the delivery is [redelivered](Redeliver).
+///
+/// ```
+/// use std::sync::atomic::{AtomicBool, Ordering};
+/// use std::sync::Arc;
+/// use idemq::source::kit::{Redeliver, Unsettled};
+///
+/// struct Held(Arc<AtomicBool>);
+/// impl Redeliver for Held {
+///     fn redeliver(self) {
+///         self.0.store(true, Ordering::SeqCst);
+///     }
+/// }
+///
+/// let redelivered = Arc::new(AtomicBool::new(false));
+/// let mut settled = Unsettled::new(Held(Arc::clone(&redelivered)));
+/// assert!(settled.take().is_some(), "the first act settles");
+/// assert!(settled.take().is_none(), "a delivery settles once");
+/// drop(settled);
+/// assert!(!redelivered.load(Ordering::SeqCst));
+///
+/// drop(Unsettled::new(Held(Arc::clone(&redelivered))));
+/// assert!(redelivered.load(Ordering::SeqCst), "dropped unsettled: redelivered");
+/// ```
+#[derive(Debug)]
+pub struct Unsettled<T: Redeliver>(Option<T>);
+
+impl<T: Redeliver> Unsettled<T> {
+    /// Holds `pending` until it is taken or dropped.
+    pub fn new(pending: T) -> Self {
+        Self(Some(pending))
+    }
+
+    /// Takes it to settle; `None` if an act settled it already.
+    pub fn take(&mut self) -> Option<T> {
+        self.0.take()
+    }
+
+    /// What is held, while it is.
+    pub fn get(&self) -> Option<&T> {
+        self.0.as_ref()
+    }
+}
+
+impl<T: Redeliver> Drop for Unsettled<T> {
+    fn drop(&mut self) {
+        if let Some(pending) = self.0.take() {
+            pending.redeliver();
+        }
+    }
 }
 
 /// [`Broker::check`](super::registry::Broker::check): parses, connects nothing.

@@ -15,11 +15,12 @@ use super::headers::{
 use super::source::Shared;
 use crate::error::SourceError;
 use crate::outcome::DeadLetterReason;
+use crate::source::kit::{Redeliver, Unsettled};
 use crate::source::Acknowledger;
 
 /// Settles one AMQP delivery.
 pub(super) struct AmqpAcker {
-    pub(super) acker: Option<lapin::Acker>,
+    pub(super) acker: Unsettled<Held>,
     pub(super) shared: Arc<Shared>,
     pub(super) body: Vec<u8>,
     pub(super) properties: BasicProperties,
@@ -28,7 +29,7 @@ pub(super) struct AmqpAcker {
 
 impl AmqpAcker {
     async fn ack_original(&mut self) -> Result<(), SourceError> {
-        let Some(acker) = self.acker.take() else {
+        let Some(Held(acker)) = self.acker.take() else {
             return Ok(());
         };
         match acker.ack(BasicAckOptions::default()).await {
@@ -95,13 +96,13 @@ impl Acknowledger for AmqpAcker {
     }
 }
 
-impl Drop for AmqpAcker {
-    /// A delivery dropped unsettled (its task was cancelled) goes back to the
-    /// queue at once, as it would when its channel closes.
-    fn drop(&mut self) {
-        let Some(acker) = self.acker.take() else {
-            return;
-        };
+/// The channel's handle on one unacknowledged delivery.
+pub(super) struct Held(pub(super) lapin::Acker);
+
+impl Redeliver for Held {
+    /// Back to the queue at once, as when its channel closes.
+    fn redeliver(self) {
+        let acker = self.0;
         if !acker.usable() {
             return;
         }

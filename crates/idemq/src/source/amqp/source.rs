@@ -10,12 +10,13 @@ use lapin::options::{BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions}
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 
-use super::acker::AmqpAcker;
+use super::acker::{AmqpAcker, Held};
 use super::channel::{broker, short};
 use super::headers::{as_u64, value_bytes, DELIVERIES_HEADER, DELIVERY_COUNT_HEADER, KEY_HEADER};
 use super::AmqpConfig;
 use crate::error::{InputError, SourceError};
 use crate::message::{DeliveryMeta, Headers, Message};
+use crate::source::kit::Unsettled;
 use crate::source::{Delivery, Source};
 
 /// What the acknowledgers of one source share.
@@ -157,7 +158,7 @@ impl AmqpSource {
             delivery_count,
         };
         let acker = AmqpAcker {
-            acker: Some(acker),
+            acker: Unsettled::new(Held(acker)),
             shared: Arc::clone(&self.shared),
             body: data,
             properties,

@@ -15,36 +15,61 @@ use super::source::{KafkaConsumer, Shared};
 use super::{broker, DEAD_LETTER_REASON_HEADER};
 use crate::error::SourceError;
 use crate::outcome::DeadLetterReason;
+use crate::source::kit::{Redeliver, Unsettled};
 use crate::source::{Acknowledger, Contiguity};
 
 /// Settles one Kafka delivery: see the [module docs](super).
 pub(super) struct KafkaAcker {
-    pub(super) shared: Arc<Shared>,
     pub(super) consumer: Weak<KafkaConsumer>,
     pub(super) dead_letters: Option<(FutureProducer, String)>,
-    pub(super) partition: i32,
-    pub(super) generation: u64,
-    /// `None` once settled.
-    pub(super) record: Option<Record>,
+    pub(super) held: Unsettled<Held>,
 }
 
-impl KafkaAcker {
+/// A record handed out of a partition (in the generation it was owned in)
+/// and in flight there until it is settled.
+pub(super) struct Held {
+    pub(super) shared: Arc<Shared>,
+    pub(super) partition: i32,
+    pub(super) generation: u64,
+    pub(super) record: Record,
+}
+
+impl Held {
     /// Puts the record back for a redelivery after `delay`, if the partition is still ours.
-    fn redeliver(&mut self, delay: Duration) {
-        let Some(mut record) = self.record.take() else {
-            return;
-        };
-        let mut state = self.shared.state();
-        if let Some(p) = state.partitions.get_mut(&self.partition) {
-            if p.generation == self.generation && p.in_flight.remove(&record.offset).is_some() {
+    fn redeliver_after(self, delay: Duration) {
+        let Held {
+            shared,
+            partition,
+            generation,
+            mut record,
+        } = self;
+        let mut state = shared.state();
+        if let Some(p) = state.partitions.get_mut(&partition) {
+            if p.generation == generation && p.in_flight.remove(&record.offset).is_some() {
                 record.count = record.count.saturating_add(1);
                 p.retries
                     .insert((Instant::now() + delay, record.offset), record);
             }
         }
         drop(state);
-        self.shared.settled.notify_all();
-        self.shared.ready.notify_waiters();
+        shared.settled.notify_all();
+        shared.ready.notify_waiters();
+    }
+}
+
+impl Redeliver for Held {
+    /// Delivered again at once.
+    fn redeliver(self) {
+        self.redeliver_after(Duration::ZERO);
+    }
+}
+
+impl KafkaAcker {
+    /// Puts the record back for a redelivery after `delay`, if it is still held.
+    fn redeliver(&mut self, delay: Duration) {
+        if let Some(held) = self.held.take() {
+            held.redeliver_after(delay);
+        }
     }
 
     /// Marks the record settled and commits the partition's contiguous
@@ -109,12 +134,17 @@ impl KafkaAcker {
     }
 
     async fn settle(mut self) -> Result<(), SourceError> {
-        let Some(record) = self.record.take() else {
+        let Some(held) = self.held.take() else {
             return Ok(());
         };
-        let shared = Arc::clone(&self.shared);
+        let Held {
+            shared,
+            partition,
+            generation,
+            record,
+        } = held;
         let consumer = self.consumer.clone();
-        let (partition, generation, offset) = (self.partition, self.generation, record.offset);
+        let offset = record.offset;
         tokio::task::spawn_blocking(move || {
             Self::commit(&shared, &consumer, partition, generation, offset)
         })
@@ -160,9 +190,9 @@ impl Acknowledger for KafkaAcker {
         mut self: Box<Self>,
         reason: &DeadLetterReason,
     ) -> Result<(), SourceError> {
-        let forward = match (&self.dead_letters, &self.record) {
-            (Some((producer, topic)), Some(record)) => {
-                Some((producer.clone(), topic.clone(), record.message.clone()))
+        let forward = match (&self.dead_letters, self.held.get()) {
+            (Some((producer, topic)), Some(held)) => {
+                Some((producer.clone(), topic.clone(), held.record.message.clone()))
             }
             _ => None,
         };
@@ -201,23 +231,16 @@ impl Acknowledger for KafkaAcker {
     /// Tracked: the records of a partition may be handed out several at
     /// once ([`Source::settle_out_of_order`](crate::source::Source::settle_out_of_order)).
     fn contiguity(&self) -> Contiguity {
-        let Some(record) = &self.record else {
+        let Some(held) = self.held.get() else {
             return Contiguity::Tracked(None);
         };
-        let state = self.shared.state();
+        let state = held.shared.state();
         Contiguity::Tracked(
             state
                 .partitions
-                .get(&self.partition)
-                .filter(|p| p.generation == self.generation && !p.revoking)
-                .map(|p| p.position_if_settled(record.offset)),
+                .get(&held.partition)
+                .filter(|p| p.generation == held.generation && !p.revoking)
+                .map(|p| p.position_if_settled(held.record.offset)),
         )
-    }
-}
-
-impl Drop for KafkaAcker {
-    /// An unsettled delivery is delivered again at once.
-    fn drop(&mut self) {
-        self.redeliver(Duration::ZERO);
     }
 }

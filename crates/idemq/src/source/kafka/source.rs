@@ -16,7 +16,7 @@ use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::sync::Notify;
 
-use super::acker::KafkaAcker;
+use super::acker::{Held, KafkaAcker};
 use super::config::validate_topic;
 use super::partition::{Partition, Record, State};
 use super::poller::Poller;
@@ -24,6 +24,7 @@ use super::publisher::producer;
 use super::{broker, create_topic, KafkaConfig};
 use crate::error::SourceError;
 use crate::message::DeliveryMeta;
+use crate::source::kit::Unsettled;
 use crate::source::{Delivery, OffsetLookup, Source};
 
 /// How long a rebalance waits for the stored watermarks.
@@ -538,12 +539,14 @@ impl KafkaSource {
         let message = record.message.clone();
         let defect = record.defect.clone();
         let acker = KafkaAcker {
-            shared: Arc::clone(&self.shared),
             consumer: self.consumer.clone(),
             dead_letters: self.dead_letters.clone(),
-            partition,
-            generation,
-            record: Some(record),
+            held: Unsettled::new(Held {
+                shared: Arc::clone(&self.shared),
+                partition,
+                generation,
+                record,
+            }),
         };
         let delivery = Delivery::new(message, meta, Box::new(acker));
         match defect {

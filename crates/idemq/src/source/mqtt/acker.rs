@@ -11,22 +11,27 @@ use super::properties::REASON_PROPERTY;
 use super::source::{Incoming, Shared};
 use crate::error::SourceError;
 use crate::outcome::DeadLetterReason;
+use crate::source::kit::{Redeliver, Unsettled};
 use crate::source::Acknowledger;
 
 /// Settles one MQTT delivery.
 pub(super) struct MqttAcker {
-    pub(super) shared: Arc<Shared>,
-    /// `None` once settled.
-    pub(super) incoming: Option<Incoming>,
+    pub(super) held: Unsettled<Held>,
 }
 
-impl MqttAcker {
+/// A publish handed out and not acknowledged yet.
+pub(super) struct Held {
+    pub(super) shared: Arc<Shared>,
+    pub(super) incoming: Incoming,
+}
+
+impl Held {
     /// Hands the message to the engine again after `delay`, counted as a new delivery.
-    fn again_after(&self, incoming: Incoming, delay: Duration) {
+    fn again_after(self, delay: Duration) {
         let again = self.shared.again.clone();
         let incoming = Incoming {
-            delivery_count: incoming.delivery_count.saturating_add(1),
-            ..incoming
+            delivery_count: self.incoming.delivery_count.saturating_add(1),
+            ..self.incoming
         };
         if delay.is_zero() {
             let _ = again.send(incoming);
@@ -40,42 +45,37 @@ impl MqttAcker {
             let _ = again.send(incoming);
         });
     }
-}
 
-impl Drop for MqttAcker {
-    /// Dropped unsettled: handed out again at once (the broker would only
-    /// resend it after a reconnect).
-    fn drop(&mut self) {
-        if let Some(incoming) = self.incoming.take() {
-            self.again_after(incoming, Duration::ZERO);
-        }
-    }
-}
-
-impl MqttAcker {
     /// Acknowledges the publish to the broker (QoS 1).
-    async fn puback(&self, incoming: &Incoming) -> Result<(), SourceError> {
+    async fn puback(&self) -> Result<(), SourceError> {
         self.shared
             .link
             .client
-            .ack(&incoming.publish)
+            .ack(&self.incoming.publish)
             .await
             .map_err(|e| broker_error("PUBACK", e))
+    }
+}
+
+impl Redeliver for Held {
+    /// Handed out again at once (the broker would only resend it after a reconnect).
+    fn redeliver(self) {
+        self.again_after(Duration::ZERO);
     }
 }
 
 #[async_trait]
 impl Acknowledger for MqttAcker {
     async fn ack(mut self: Box<Self>) -> Result<(), SourceError> {
-        let Some(incoming) = self.incoming.take() else {
+        let Some(held) = self.held.take() else {
             return Ok(());
         };
-        self.puback(&incoming).await
+        held.puback().await
     }
 
     async fn nack(mut self: Box<Self>, delay: Duration) -> Result<(), SourceError> {
-        if let Some(incoming) = self.incoming.take() {
-            self.again_after(incoming, delay);
+        if let Some(held) = self.held.take() {
+            held.again_after(delay);
         }
         Ok(())
     }
@@ -84,10 +84,11 @@ impl Acknowledger for MqttAcker {
         mut self: Box<Self>,
         reason: &DeadLetterReason,
     ) -> Result<(), SourceError> {
-        let Some(incoming) = self.incoming.take() else {
+        let Some(held) = self.held.take() else {
             return Ok(());
         };
-        if let Some(topic) = &self.shared.dead_letter_topic {
+        let incoming = &held.incoming;
+        if let Some(topic) = &held.shared.dead_letter_topic {
             let mut properties = PublishProperties::default();
             if let Some(p) = &incoming.publish.properties {
                 properties.user_properties = p
@@ -101,17 +102,17 @@ impl Acknowledger for MqttAcker {
             properties
                 .user_properties
                 .push((REASON_PROPERTY.to_owned(), reason.code().to_owned()));
-            let copied = self
+            let copied = held
                 .shared
                 .link
                 .publish(topic, incoming.publish.payload.to_vec(), properties)
                 .await;
             if let Err(e) = copied {
                 // Not acked: handed out again a little later.
-                self.again_after(incoming, Duration::from_secs(1));
+                held.again_after(Duration::from_secs(1));
                 return Err(e);
             }
         }
-        self.puback(&incoming).await
+        held.puback().await
     }
 }

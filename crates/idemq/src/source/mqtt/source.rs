@@ -6,12 +6,13 @@ use async_trait::async_trait;
 use rumqttc::v5::mqttbytes::v5::Publish;
 use tokio::sync::mpsc;
 
-use super::acker::MqttAcker;
+use super::acker::{Held, MqttAcker};
 use super::link::{open, Link, Subscription};
 use super::properties::to_message;
 use super::MqttConfig;
 use crate::error::SourceError;
 use crate::message::DeliveryMeta;
+use crate::source::kit::Unsettled;
 use crate::source::{Delivery, Source};
 
 const SOURCE_NAME: &str = "mqtt";
@@ -82,8 +83,10 @@ impl MqttSource {
             delivery_count: incoming.delivery_count.max(1),
         };
         let acker = MqttAcker {
-            shared: Arc::clone(&self.shared),
-            incoming: Some(incoming),
+            held: Unsettled::new(Held {
+                shared: Arc::clone(&self.shared),
+                incoming,
+            }),
         };
         Delivery::new(message, meta, Box::new(acker))
     }

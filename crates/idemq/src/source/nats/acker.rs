@@ -12,13 +12,20 @@ use super::publisher::publish_and_wait;
 use super::source::{Progress, Shared};
 use crate::error::SourceError;
 use crate::outcome::DeadLetterReason;
+use crate::source::kit::{Redeliver, Unsettled};
 use crate::source::Acknowledger;
 
 /// Settles one JetStream delivery.
 pub(super) struct NatsAcker {
     pub(super) shared: Arc<Shared>,
-    pub(super) progress: Option<Progress>,
+    pub(super) progress: Unsettled<Progress>,
     pub(super) message: jetstream::Message,
+}
+
+impl Redeliver for Progress {
+    /// The in-progress acks stop (with the task): the server redelivers the
+    /// message once `ack_wait` has passed.
+    fn redeliver(self) {}
 }
 
 impl NatsAcker {

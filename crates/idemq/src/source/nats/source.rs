@@ -16,6 +16,7 @@ use super::config::{broker_error, NatsConfig};
 use super::mapping::to_message;
 use crate::error::SourceError;
 use crate::message::DeliveryMeta;
+use crate::source::kit::Unsettled;
 use crate::source::{Delivery, Source};
 
 /// How long settling waits for an in-progress ack being sent.
@@ -220,7 +221,7 @@ impl NatsSource {
         };
         let acker = NatsAcker {
             shared: Arc::clone(&self.shared),
-            progress: Some(progress),
+            progress: Unsettled::new(progress),
             message: message.clone(),
         };
         Delivery::new(to_message(&message), meta, Box::new(acker))

@@ -11,42 +11,43 @@ use super::entry::REASON_FIELD;
 use super::pending::{Ready, Shared};
 use crate::error::SourceError;
 use crate::outcome::DeadLetterReason;
+use crate::source::kit::{Redeliver, Unsettled};
 use crate::source::Acknowledger;
 
 /// Settles one stream entry.
 pub(super) struct RedisStreamAcker {
-    pub(super) shared: Arc<Shared>,
-    /// `None` once settled.
-    pub(super) entry: Option<Ready>,
+    pub(super) held: Unsettled<Held>,
 }
 
-impl Drop for RedisStreamAcker {
-    /// Dropped unsettled: no longer kept fresh, so `XAUTOCLAIM` brings it back
-    /// after `claim_idle`.
-    fn drop(&mut self) {
-        if let Some(entry) = self.entry.take() {
-            self.shared.release(&entry.id);
-        }
+/// An entry handed out and kept fresh until it is settled.
+pub(super) struct Held {
+    pub(super) shared: Arc<Shared>,
+    pub(super) entry: Ready,
+}
+
+impl Redeliver for Held {
+    /// No longer kept fresh, so `XAUTOCLAIM` brings it back after `claim_idle`.
+    fn redeliver(self) {
+        self.shared.release(&self.entry.id);
     }
 }
 
 #[async_trait]
 impl Acknowledger for RedisStreamAcker {
     async fn ack(mut self: Box<Self>) -> Result<(), SourceError> {
-        let Some(entry) = self.entry.take() else {
+        let Some(Held { shared, entry }) = self.held.take() else {
             return Ok(());
         };
-        let result = self.shared.xack(&entry.id).await;
+        let result = shared.xack(&entry.id).await;
         // On failure the entry stays pending and is claimed again later.
-        self.shared.release(&entry.id);
+        shared.release(&entry.id);
         result
     }
 
     async fn nack(mut self: Box<Self>, delay: Duration) -> Result<(), SourceError> {
-        let Some(entry) = self.entry.take() else {
+        let Some(Held { shared, entry }) = self.held.take() else {
             return Ok(());
         };
-        let shared = Arc::clone(&self.shared);
         // Held (kept fresh) until the delay is over, then claimed again.
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
@@ -82,10 +83,9 @@ impl Acknowledger for RedisStreamAcker {
         mut self: Box<Self>,
         reason: &DeadLetterReason,
     ) -> Result<(), SourceError> {
-        let Some(entry) = self.entry.take() else {
+        let Some(Held { shared, entry }) = self.held.take() else {
             return Ok(());
         };
-        let shared = Arc::clone(&self.shared);
         let result = match &shared.dead_letter_stream {
             Some(dlq) => {
                 let mut pipe = redis::pipe();

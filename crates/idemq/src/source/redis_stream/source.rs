@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::acker::RedisStreamAcker;
+use super::acker::{Held, RedisStreamAcker};
 use super::config::{default_consumer_name, RedisStreamConfig};
 use super::conn::{broker_error, connection, is_transient, millis, COMMAND_TIMEOUT};
 use super::entry::to_message;
@@ -20,6 +20,7 @@ use super::pending::{keep_fresh, Ready, Shared};
 use super::reply::{parse_autoclaim, parse_read, Entry};
 use crate::error::SourceError;
 use crate::message::DeliveryMeta;
+use crate::source::kit::Unsettled;
 use crate::source::{Delivery, Source};
 
 const SOURCE_NAME: &str = "redis-stream";
@@ -263,8 +264,10 @@ impl RedisStreamSource {
             delivery_count: ready.delivery_count.max(1),
         };
         let acker = RedisStreamAcker {
-            shared: Arc::clone(&self.shared),
-            entry: Some(ready),
+            held: Unsettled::new(Held {
+                shared: Arc::clone(&self.shared),
+                entry: ready,
+            }),
         };
         let delivery = Delivery::new(message, meta, Box::new(acker));
         match defect {

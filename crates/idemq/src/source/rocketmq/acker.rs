@@ -11,6 +11,7 @@ use super::source::Verdict;
 use crate::error::SourceError;
 use crate::message::Message;
 use crate::outcome::DeadLetterReason;
+use crate::source::kit::{Redeliver, Unsettled};
 use crate::source::Acknowledger;
 
 /// The user property with the dead-letter reason code on the dead-letter topic.
@@ -18,18 +19,33 @@ pub const DEAD_LETTER_REASON_PROPERTY: &str = "idemq_dead_letter_reason";
 
 /// Settles one RocketMQ delivery by answering its waiting listener call.
 pub(super) struct RocketMqAcker {
-    /// `None` once answered.
-    pub(super) reply: Option<std_mpsc::Sender<Verdict>>,
+    pub(super) reply: Unsettled<Reply>,
     pub(super) dead_letters: Option<(Producer, String)>,
     pub(super) message: Message,
+}
+
+/// The listener call waiting for a delivery's verdict.
+pub(super) struct Reply(pub(super) std_mpsc::Sender<Verdict>);
+
+impl Reply {
+    fn send(self, verdict: Verdict) {
+        // The listener may have timed out already: then it answered
+        // ReconsumeLater itself.
+        let _ = self.0.send(verdict);
+    }
+}
+
+impl Redeliver for Reply {
+    /// Consumed again later.
+    fn redeliver(self) {
+        self.send(Verdict::Later);
+    }
 }
 
 impl RocketMqAcker {
     fn answer(&mut self, verdict: Verdict) {
         if let Some(reply) = self.reply.take() {
-            // The listener may have timed out already: then it answered
-            // ReconsumeLater itself.
-            let _ = reply.send(verdict);
+            reply.send(verdict);
         }
     }
 }
@@ -70,12 +86,5 @@ impl Acknowledger for RocketMqAcker {
         }
         self.answer(Verdict::Success);
         Ok(())
-    }
-}
-
-impl Drop for RocketMqAcker {
-    /// An unsettled delivery is consumed again later.
-    fn drop(&mut self) {
-        self.answer(Verdict::Later);
     }
 }

@@ -11,12 +11,13 @@ use rocketmq_client_rust::{
 use rocketmq_model::common::message::message_ext::MessageExt;
 use tokio::sync::mpsc;
 
-use super::acker::RocketMqAcker;
+use super::acker::{Reply, RocketMqAcker};
 use super::client::{Client, ConsumerSetup, Producer};
 use super::config::RocketMqConfig;
 use super::mapping::incoming;
 use crate::error::SourceError;
 use crate::message::{DeliveryMeta, Message};
+use crate::source::kit::Unsettled;
 use crate::source::{Delivery, Source};
 
 /// What the listener answers the client.
@@ -164,7 +165,7 @@ impl Source for RocketMqSource {
             )));
         };
         let acker = RocketMqAcker {
-            reply: Some(incoming.reply),
+            reply: Unsettled::new(Reply(incoming.reply)),
             dead_letters: self.dead_letters.clone(),
             message: incoming.message.clone(),
         };

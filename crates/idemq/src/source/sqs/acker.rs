@@ -14,12 +14,13 @@ use super::queue::{broker_error, QueueRef};
 use super::shared::{release_now, Lease, Shared};
 use crate::error::SourceError;
 use crate::outcome::DeadLetterReason;
+use crate::source::kit::{Redeliver, Unsettled};
 use crate::source::Acknowledger;
 
 /// Settles one SQS delivery.
 pub(super) struct SqsAcker {
     pub(super) shared: Arc<Shared>,
-    pub(super) lease: Option<Lease>,
+    pub(super) lease: Unsettled<Lease>,
     /// The FIFO group this delivery keeps busy.
     pub(super) group: Option<String>,
     pub(super) raw: aws_sdk_sqs::types::Message,
@@ -122,9 +123,14 @@ impl SqsAcker {
     }
 }
 
+impl Redeliver for Lease {
+    /// The extension stops: the message comes back after the visibility timeout.
+    fn redeliver(self) {}
+}
+
 impl Drop for SqsAcker {
-    /// Dropped unsettled: the extension stops (with the lease) and the message
-    /// comes back after the visibility timeout; a FIFO group is freed.
+    /// A FIFO group is freed, also when an act was cancelled half-way (the
+    /// lease, taken by the act, is dropped with it).
     fn drop(&mut self) {
         self.release_group(true);
     }

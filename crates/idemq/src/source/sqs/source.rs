@@ -15,6 +15,7 @@ use super::queue::{broker_error, resolve_queue};
 use super::shared::{release_now, Lease, Received, Shared};
 use crate::error::SourceError;
 use crate::message::DeliveryMeta;
+use crate::source::kit::Unsettled;
 use crate::source::{Delivery, Source};
 
 /// How much longer than its long-polling wait a receive call may take.
@@ -157,7 +158,7 @@ impl SqsSource {
         };
         let acker = SqsAcker {
             shared: Arc::clone(&self.shared),
-            lease: Some(lease),
+            lease: Unsettled::new(lease),
             group,
             raw,
         };
