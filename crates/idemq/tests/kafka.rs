@@ -728,3 +728,77 @@ async fn eventually_rows(ledger: &Ledger, n: usize) {
     })
     .await;
 }
+
+/// A flood of one business key in one partition leaves the other partitions
+/// running. Partition 0 holds 40 copies of one payment whose first copy
+/// takes 3 s in its handler: the 39 copies after it wait in its key lane.
+/// Partitions 1 and 2 hold 48 other payments of 50 ms each. A partition may
+/// hold only half of the consumer's read-ahead, so the copies waiting in
+/// the lane never take the room the other partitions' payments run in:
+/// every one of them is applied before the slow first copy is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flood_of_one_key_leaves_the_other_partitions_running() {
+    const COPIES: usize = 40;
+    const OTHERS: usize = 48;
+    let ledger = Ledger::new().await;
+    let topic = new_topic(PARTITIONS).await;
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", BROKERS)
+        .create()
+        .unwrap();
+    let send = |partition: i32, payload: String| {
+        let producer = producer.clone();
+        let topic = topic.clone();
+        async move {
+            producer
+                .send(
+                    FutureRecord::<(), _>::to(&topic)
+                        .partition(partition)
+                        .payload(&payload),
+                    Duration::from_secs(10),
+                )
+                .await
+                .map_err(|(e, _)| e)
+                .unwrap();
+        }
+    };
+    let hot = serde_json::json!({ "payment_id": "hot", "amount": 1, "sleep_ms": 3000 });
+    for _ in 0..COPIES {
+        send(0, hot.to_string()).await;
+    }
+    let mut expected = BTreeMap::from([("hot".to_owned(), 1)]);
+    for i in 0..OTHERS {
+        let key = format!("other-{i:02}");
+        let amount = 100 + i as i64;
+        let payload = serde_json::json!({ "payment_id": key, "amount": amount, "sleep_ms": 50 });
+        send(1 + (i % 2) as i32, payload.to_string()).await;
+        expected.insert(key, amount);
+    }
+
+    let tally = Tally::default();
+    let consumer = tally.build(
+        ledger
+            .consumer("kafka-flood", Arc::new(Plan::default()))
+            .concurrency(8),
+    );
+    let group = support::unique("g");
+    support::run_until(
+        &consumer,
+        source(&topic, &group).await,
+        Duration::from_secs(60),
+        || {
+            tally.count(OutcomeKind::Processed) == OTHERS + 1
+                && tally.count(OutcomeKind::Duplicate) == COPIES - 1
+        },
+    )
+    .await;
+
+    ledger.assert_exactly_once(&expected).await;
+    let processed = tally.processed_keys();
+    assert_eq!(
+        processed.last().map(String::as_str),
+        Some("hot"),
+        "a payment of another partition waited behind the flood: {processed:?}"
+    );
+    ledger.cleanup().await;
+}

@@ -137,8 +137,10 @@ impl<S: Store> Consumer<S> {
     ///
     /// Memory is bounded: at most `READ_AHEAD` × `concurrency` ×
     /// `max_size` deliveries are read and unsettled at a time, and a
-    /// partitioned source is allowed as many unsettled records of a
-    /// partition (unless the mode needs them one at a time).
+    /// partitioned source is allowed `concurrency` × `max_size` unsettled
+    /// records of one partition (unless the mode needs them one at a time),
+    /// so that a flood of one key in one partition cannot take the room of
+    /// the others.
     pub(crate) async fn run_units<R>(
         &self,
         mut source: impl Source,
@@ -155,7 +157,11 @@ impl<S: Store> Consumer<S> {
             .saturating_mul(max_size)
             .saturating_mul(READ_AHEAD);
         if mode.out_of_order() {
-            source.settle_out_of_order(read_ahead);
+            // One partition gets at most what runs at once: half the
+            // read-ahead. Copies of a key waiting in its lane (a flood of one
+            // key) then hold at most that half, and the other partitions
+            // keep the rest to run in.
+            source.settle_out_of_order(concurrency.saturating_mul(max_size));
         }
         let admitted = Arc::new(Semaphore::new(read_ahead));
         let running = Arc::new(Semaphore::new(concurrency));
