@@ -25,7 +25,8 @@ DEBIAN_FRONTEND=noninteractive apt-get purge -y -q mariadb-server mariadb-client
   redis-server redis-tools rabbitmq-server mosquitto nats-server libcurl4-openssl-dev >/tmp/ci-fresh-purge.log 2>&1
 DEBIAN_FRONTEND=noninteractive apt-get autoremove --purge -y -q >>/tmp/ci-fresh-purge.log 2>&1
 rm -rf /var/lib/apt/lists/* "$IDEMQ_TOOLS" "$HOME/.m2" /var/lib/mysql /var/lib/rabbitmq \
-  /var/lib/redis /var/lib/mosquitto /var/lib/postgresql/idemq /etc/rabbitmq /etc/mysql \
+  /var/lib/redis /var/lib/mosquitto /var/lib/postgresql/idemq /var/lib/idemq-mariadb-tls \
+  /etc/rabbitmq /etc/mysql \
   "$HOME/.cargo/registry"
 rm -rf /tmp/ci-fresh && git clone -q "$repo" /tmp/ci-fresh
 cd /tmp/ci-fresh

@@ -6,7 +6,8 @@
 #
 #   postgres   PostgreSQL :5432, trust for `postgres`, database `test`, TLS on
 #              with a local certificate ($IDEMQ_TOOLS/postgres/root.crt)
-#   mariadb    MariaDB    :3306, `root` with an empty password, database `test`
+#   mariadb    MariaDB    :3306, `root` with an empty password, database `test`,
+#              TLS on with a local certificate ($IDEMQ_TOOLS/mariadb/root.crt)
 #   redis      Redis      :6379, nothing kept on disk
 #   rabbitmq   RabbitMQ   :5672, guest/guest
 #   mosquitto  Mosquitto  :1883, anonymous
@@ -43,9 +44,32 @@ AS_RABBITMQ=(setpriv --reuid=rabbitmq --regid=rabbitmq --init-groups)
 # ---- PostgreSQL -----------------------------------------------------------
 PG_RUN="$IDEMQ_TOOLS/postgres"
 PG_DATA=/var/lib/postgresql/idemq/data
+PG_TLS=/var/lib/postgresql/idemq/tls
 PG_PID="$PG_RUN/postgres.pid"
 PG_LOG="$PG_RUN/postgres.log"
 pg_bin() { ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n1; }
+# A CA and a server certificate it signed (CN and subjectAltName localhost
+# and 127.0.0.1), for TLS on loopback: DIR/ca.crt is what a client verifies
+# with; DIR/server.crt and DIR/server.key belong to OWNER, who runs the
+# server. Made once. (A self-signed server certificate is a CA certificate,
+# which rustls refuses as a server's.)
+tls_cert() {
+  local dir=$1 owner=$2
+  [ -f "$dir/ca.crt" ] && [ -f "$dir/server.crt" ] && return 0
+  install -d -o "$owner" -g "$owner" -m 700 "$dir"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=idemq test CA" \
+    -keyout "$dir/ca.key" -out "$dir/ca.crt" >/dev/null 2>&1 &&
+  openssl req -newkey rsa:2048 -nodes -subj /CN=localhost \
+    -keyout "$dir/server.key" -out "$dir/server.csr" >/dev/null 2>&1 &&
+  printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' \
+    >"$dir/server.ext" &&
+  openssl x509 -req -in "$dir/server.csr" -CA "$dir/ca.crt" -CAkey "$dir/ca.key" -CAcreateserial \
+    -days 3650 -extfile "$dir/server.ext" -out "$dir/server.crt" >/dev/null 2>&1 ||
+    { echo "services: making a TLS certificate in $dir failed" >&2; return 1; }
+  chown -R "$owner:$owner" "$dir"
+  chmod 600 "$dir/server.key" "$dir/ca.key"
+}
+
 pg_answers() { pg_isready -q -h 127.0.0.1 -p 5432; }
 start_postgres() {
   pg_answers >/dev/null 2>&1 && return 0
@@ -59,13 +83,6 @@ start_postgres() {
     as_user postgres "$bin/initdb" -D "$PG_DATA" -U postgres --auth=trust --encoding=UTF8 \
       --locale=C.UTF-8 >"$PG_RUN/initdb.log" 2>&1 ||
       { show_log PostgreSQL "$PG_RUN/initdb.log"; echo "services: PostgreSQL initdb failed" >&2; return 1; }
-    # A self-signed certificate for TLS on loopback (sslmode=require; a
-    # client that verifies uses $PG_RUN/root.crt).
-    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj /CN=localhost \
-      -addext "subjectAltName=DNS:localhost,IP:127.0.0.1" \
-      -keyout "$PG_DATA/server.key" -out "$PG_DATA/server.crt" >/dev/null 2>&1
-    chown postgres:postgres "$PG_DATA/server.key" "$PG_DATA/server.crt"
-    chmod 600 "$PG_DATA/server.key"
     cat >>"$PG_DATA/postgresql.conf" <<CONF
 # idemq test service (scripts/services.sh)
 listen_addresses = '127.0.0.1'
@@ -73,17 +90,19 @@ port = 5432
 max_connections = 200
 unix_socket_directories = '/var/run/postgresql'
 ssl = on
-ssl_cert_file = 'server.crt'
-ssl_key_file = 'server.key'
 CONF
   fi
-  cp -f "$PG_DATA/server.crt" "$PG_RUN/root.crt"
+  # TLS on loopback (sslmode=require; a client that verifies uses
+  # $PG_RUN/root.crt, the CA that signed the server's certificate).
+  tls_cert "$PG_TLS" postgres || return 1
+  cp -f "$PG_TLS/ca.crt" "$PG_RUN/root.crt"
   if ! pid_alive "$PG_PID"; then
     # Nothing of ours runs: a lock file left by a server killed with an
     # earlier session is stale (its pid may now belong to anything).
     rm -f "$PG_DATA/postmaster.pid"
     echo "services: starting PostgreSQL (log $PG_LOG)"
-    spawn "$PG_PID" "$PG_LOG" "${AS_POSTGRES[@]}" "$bin/postgres" -D "$PG_DATA"
+    spawn "$PG_PID" "$PG_LOG" "${AS_POSTGRES[@]}" "$bin/postgres" -D "$PG_DATA" \
+      -c ssl=on -c ssl_cert_file="$PG_TLS/server.crt" -c ssl_key_file="$PG_TLS/server.key"
   fi
 }
 ready_postgres() {
@@ -97,6 +116,7 @@ ready_postgres() {
 MY_RUN="$IDEMQ_TOOLS/mariadb"
 MY_PID="$MY_RUN/mariadb.pid"
 MY_LOG="$MY_RUN/mariadb.log"
+MY_TLS=/var/lib/idemq-mariadb-tls
 my_answers() { mariadb -h 127.0.0.1 -P 3306 -uroot -e 'SELECT 1'; }
 my_socket_answers() { mariadb --protocol=socket -S /run/mysqld/mysqld.sock -uroot -e 'SELECT 1'; }
 start_mariadb() {
@@ -108,8 +128,13 @@ start_mariadb() {
     mariadb-install-db --user=mysql --datadir=/var/lib/mysql >"$MY_RUN/install-db.log" 2>&1 ||
       { show_log MariaDB "$MY_RUN/install-db.log"; echo "services: mariadb-install-db failed" >&2; return 1; }
   fi
+  # TLS on loopback (ssl-mode=REQUIRED; a client that verifies uses
+  # $MY_RUN/root.crt). The key lives where the mysql user can read it.
+  tls_cert "$MY_TLS" mysql || return 1
+  cp -f "$MY_TLS/ca.crt" "$MY_RUN/root.crt"
   spawn_unless_alive "services: MariaDB" "$MY_PID" "$MY_LOG" /usr/sbin/mariadbd --user=mysql \
     --datadir=/var/lib/mysql --bind-address=127.0.0.1 --port=3306 \
+    --ssl-cert="$MY_TLS/server.crt" --ssl-key="$MY_TLS/server.key" \
     --socket=/run/mysqld/mysqld.sock --pid-file=/run/mysqld/mysqld.pid --log-error="$MY_RUN/error.log"
 }
 ready_mariadb() {
@@ -209,7 +234,7 @@ ready_nats() { wait_until NATS 30 "$NT_PID" "$NT_LOG" nt_answers; }
 # ---- install, start all, then wait for each ---------------------------------
 pkgs=()
 wanted postgres && pkgs+=(postgresql openssl)
-wanted mariadb && pkgs+=(mariadb-server mariadb-client)
+wanted mariadb && pkgs+=(mariadb-server mariadb-client openssl)
 wanted redis && pkgs+=(redis-server redis-tools)
 wanted rabbitmq && pkgs+=(rabbitmq-server)
 wanted mosquitto && pkgs+=(mosquitto)

@@ -99,13 +99,15 @@ pub struct Ledger {
 impl Ledger {
     /// Fresh tables for one test.
     pub async fn new() -> Self {
+        Self::at(&postgres_url()).await
+    }
+
+    /// Fresh tables for one test, on the PostgreSQL of `url`.
+    pub async fn at(url: &str) -> Self {
         let prefix = format!("{}_", unique("t"));
-        let store = PostgresStore::connect_with(
-            &postgres_url(),
-            SqlOptions::default().table_prefix(&prefix),
-        )
-        .await
-        .expect("connect to PostgreSQL");
+        let store = PostgresStore::connect_with(url, SqlOptions::default().table_prefix(&prefix))
+            .await
+            .expect("connect to PostgreSQL");
         store.migrate().await.expect("migrate");
         let ledger = format!("{prefix}ledger");
         sqlx::query(&format!(

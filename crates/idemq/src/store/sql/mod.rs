@@ -85,10 +85,8 @@ impl SqlOptions {
 /// timeouts and busy databases.
 pub fn is_transient(err: &sqlx::Error) -> bool {
     match err {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Io(e) => !is_bad_certificate(e),
+        sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed | sqlx::Error::Protocol(_) => true,
         sqlx::Error::Database(db) => {
             #[cfg(feature = "mysql")]
             if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
@@ -136,11 +134,23 @@ pub fn is_missing_table(err: &sqlx::Error) -> bool {
 
 /// Maps a database error to a [`StoreError`] of its kind (transient,
 /// missing tables, other), with the error as its source.
+/// A TLS handshake that refused the server's certificate: rustls reports it
+/// to sqlx as an I/O error of kind `InvalidData`.
+fn is_bad_certificate(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::InvalidData
+}
+
 pub(crate) fn store_error(err: sqlx::Error) -> StoreError {
     let kind = if is_transient(&err) {
         StoreErrorKind::Transient
     } else if is_missing_table(&err) {
         StoreErrorKind::MissingSchema
+    } else if matches!(err, sqlx::Error::Tls(_) | sqlx::Error::Configuration(_))
+        || matches!(&err, sqlx::Error::Io(e) if is_bad_certificate(e))
+    {
+        // A certificate that does not verify, a bad sslmode or CA path:
+        // retrying cannot help.
+        StoreErrorKind::Config
     } else {
         StoreErrorKind::Other
     };
