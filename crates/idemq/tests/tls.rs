@@ -51,6 +51,16 @@ fn mariadb_verified(ca: &str) -> String {
     format!("mysql://root@localhost:3306/test?ssl-mode=VERIFY_IDENTITY&ssl-ca={ca}")
 }
 
+/// A closed in-memory queue holding `messages`.
+fn queue_of(messages: &[idemq::Message]) -> MemoryQueue {
+    let queue = MemoryQueue::new("tls");
+    for m in messages {
+        queue.push(m.clone());
+    }
+    queue.close();
+    queue
+}
+
 async fn postgres_encrypted(store: &PostgresStore) -> bool {
     sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
         .fetch_one(store.pool())
@@ -75,11 +85,7 @@ async fn postgres_verify_full_applies_each_effect_once() {
     );
 
     let w = workload(20, 0);
-    let queue = MemoryQueue::new("tls");
-    for m in &w.messages {
-        queue.push(m.clone());
-    }
-    queue.close();
+    let queue = queue_of(&w.messages);
     let consumer = ledger
         .consumer("tls", Arc::new(Plan::default()))
         .concurrency(4)
@@ -124,11 +130,7 @@ async fn mariadb_verify_identity_applies_each_effect_once() {
     .unwrap();
 
     let w = workload(20, 0);
-    let queue = MemoryQueue::new("tls");
-    for m in &w.messages {
-        queue.push(m.clone());
-    }
-    queue.close();
+    let queue = queue_of(&w.messages);
     let insert: Arc<str> = format!("INSERT INTO {ledger} (msg_key, amount) VALUES (?, ?)").into();
     let consumer = Consumer::builder("tls", store.clone())
         .key(KeySpec::json("/payment_id"))
@@ -162,14 +164,7 @@ async fn mariadb_verify_identity_applies_each_effect_once() {
     .unwrap();
     let expected: Vec<(String, i64)> = w.expected.clone().into_iter().collect();
     assert_eq!(rows, expected, "every effect exactly once");
-    for table in [
-        "ledger",
-        "inbox",
-        "attempts",
-        "dead_letters",
-        "schema_migrations",
-        "offsets",
-    ] {
+    for table in support::TEST_TABLES {
         let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
             .execute(store.pool())
             .await;

@@ -215,20 +215,23 @@ impl Ledger {
     /// Drops the test's tables.
     pub async fn cleanup(self) {
         let prefix = self.store.tables().prefix.clone();
-        for table in [
-            "ledger",
-            "inbox",
-            "attempts",
-            "dead_letters",
-            "schema_migrations",
-            "offsets",
-        ] {
+        for table in TEST_TABLES {
             let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
                 .execute(self.store.pool())
                 .await;
         }
     }
 }
+
+/// The tables of one test under its prefix: the ledger and the store's own.
+pub const TEST_TABLES: [&str; 6] = [
+    "ledger",
+    "inbox",
+    "attempts",
+    "dead_letters",
+    "schema_migrations",
+    "offsets",
+];
 
 /// 3 attempts, 50 ms backoff without jitter, 100 ms busy delay.
 pub fn fast_retry() -> RetryPolicy {
