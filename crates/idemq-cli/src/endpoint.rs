@@ -92,6 +92,7 @@ impl Endpoint {
         &self,
         consumer: &str,
         no_checkpoint: bool,
+        max_line_bytes: usize,
     ) -> Result<Box<dyn Source>> {
         match self {
             Endpoint::Std => {
@@ -100,14 +101,16 @@ impl Endpoint {
                         "idemq: reading JSON lines from the terminal (Ctrl-D ends the input)"
                     );
                 }
-                Ok(Box::new(JsonLinesSource::stdin()))
+                Ok(Box::new(
+                    JsonLinesSource::stdin().max_line_bytes(max_line_bytes),
+                ))
             }
             Endpoint::File(path) => {
                 let checkpoint = (!no_checkpoint).then(|| checkpoint_path(path, consumer));
                 let source = JsonLinesSource::open_with_checkpoint(path, checkpoint)
                     .await
                     .with_context(|| format!("opening {}", path.display()))?;
-                Ok(Box::new(source))
+                Ok(Box::new(source.max_line_bytes(max_line_bytes)))
             }
             Endpoint::Broker { broker, url } => connected(self, (broker.open_source)(url)).await,
         }

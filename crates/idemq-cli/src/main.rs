@@ -13,6 +13,7 @@ mod interrupt;
 mod output;
 mod progress;
 mod sink;
+mod size;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -245,6 +246,12 @@ struct ConsumeArgs {
     /// input; every run then reads the whole file (re-read lines are duplicates).
     #[arg(long)]
     no_checkpoint: bool,
+
+    /// The longest JSON line read from a file or stdin (e.g. `64KiB`, `16MiB`):
+    /// a longer one becomes a `too_large` dead letter holding its first
+    /// this-many bytes, so memory stays bounded.
+    #[arg(long, value_name = "SIZE", default_value = "4MiB", value_parser = size::parse_byte_size)]
+    max_line_bytes: usize,
 
     /// Messages in flight at once.
     #[arg(long, default_value_t = 8, value_name = "N", value_parser = parse_positive)]

@@ -375,6 +375,39 @@ fn dlq_list_shows_bad_lines_with_their_reasons() {
     assert_eq!(none.stdout.trim(), "no dead letters");
 }
 
+/// `--max-line-bytes`: a line longer than the limit becomes a `too_large`
+/// dead letter; the lines around it are applied.
+#[cfg(feature = "sqlite")]
+#[test]
+fn a_line_over_max_line_bytes_is_dead_lettered_as_too_large() {
+    let f = Fixture::new();
+    let big = format!(
+        r#"{{"payment_id":"p-big","account":"{}","amount":1}}"#,
+        "a".repeat(300)
+    );
+    let lines = format!(
+        "{}\n{big}\n{}\n",
+        r#"{"payment_id":"p-1","account":"acc-1","amount":100}"#,
+        r#"{"payment_id":"p-2","account":"acc-2","amount":250}"#
+    );
+    std::fs::write(&f.input, lines).unwrap();
+    let run = f.consume(&["--max-line-bytes", "200"]).expect_code(0);
+    assert!(
+        first_line(&run).contains("processed=2") && first_line(&run).contains("dead_lettered=1"),
+        "{run:#?}"
+    );
+    let letters = f
+        .run(&["dlq", "list", "--consumer", "payments", "--json"])
+        .expect_code(0)
+        .json();
+    let letters = letters.as_array().expect("array");
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0]["reason"], "too_large", "{letters:?}");
+
+    let bad = f.consume(&["--max-line-bytes", "lots"]);
+    assert_eq!(bad.code, 2, "a bad size is a usage error: {bad:#?}");
+}
+
 #[cfg(feature = "sqlite")]
 #[test]
 fn prune_older_than_zero_removes_every_row() {

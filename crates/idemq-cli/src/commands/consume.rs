@@ -84,7 +84,7 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
 
     let source = args
         .input
-        .open_source(&args.consumer, args.no_checkpoint)
+        .open_source(&args.consumer, args.no_checkpoint, args.max_line_bytes)
         .await?;
     let source: Box<dyn Source> = match args.idle_exit {
         Some(idle) => Box::new(IdleExit::new(source, idle)),

@@ -176,7 +176,11 @@ pub async fn run(args: WorkerArgs, global: &crate::GlobalArgs) -> Result<ExitCod
         .map_err(crate::exit::usage)?;
     let source = args
         .input
-        .open_source(&args.consumer, args.no_checkpoint)
+        .open_source(
+            &args.consumer,
+            args.no_checkpoint,
+            idemq::source::jsonl::DEFAULT_MAX_LINE_BYTES,
+        )
         .await?;
     let summary = consumer
         .run(idemq::source::idle::IdleExit::new(source, args.idle_exit))
