@@ -8,7 +8,8 @@
 #              with a local certificate ($IDEMQ_TOOLS/postgres/root.crt)
 #   mariadb    MariaDB    :3306, `root` with an empty password, database `test`,
 #              TLS on with a local certificate ($IDEMQ_TOOLS/mariadb/root.crt)
-#   redis      Redis      :6379, nothing kept on disk
+#   redis      Redis      :6379, nothing kept on disk; TLS on :6380 with a
+#              local certificate ($IDEMQ_TOOLS/redis/root.crt)
 #   rabbitmq   RabbitMQ   :5672, guest/guest
 #   mosquitto  Mosquitto  :1883, anonymous
 #   nats       NATS       :4222 with JetStream
@@ -151,7 +152,10 @@ GRANT ALL PRIVILEGES ON *.* TO 'root'@'::1' WITH GRANT OPTION;
 FLUSH PRIVILEGES;
 SQL
   wait_until MariaDB 30 "$MY_PID" "$MY_RUN/error.log" my_answers || return 1
-  mariadb -h 127.0.0.1 -uroot -e 'CREATE DATABASE IF NOT EXISTS test'
+  # utf8mb4 whoever made it: mariadb-install-db makes a latin1 `test`, in
+  # which the tests' own tables could not hold every key.
+  mariadb -h 127.0.0.1 -uroot \
+    -e 'CREATE DATABASE IF NOT EXISTS test; ALTER DATABASE test CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci'
 }
 
 # ---- Redis ----------------------------------------------------------------
@@ -162,8 +166,14 @@ rd_answers() { redis-cli -h 127.0.0.1 -p 6379 ping | grep -q PONG; }
 start_redis() {
   rd_answers >/dev/null 2>&1 && return 0
   mkdir -p "$RD_RUN"
+  # TLS on a second port, 6380 (rediss://; a client that verifies uses
+  # $RD_RUN/root.crt); no client certificates asked for.
+  tls_cert "$RD_RUN/tls" "$(id -un)" || return 1
+  cp -f "$RD_RUN/tls/ca.crt" "$RD_RUN/root.crt"
   spawn_unless_alive "services: Redis" "$RD_PID" "$RD_LOG" redis-server --bind 127.0.0.1 -::1 \
-    --port 6379 --save "" --appendonly no --dir "$RD_RUN" --daemonize no
+    --port 6379 --save "" --appendonly no --dir "$RD_RUN" --daemonize no \
+    --tls-port 6380 --tls-cert-file "$RD_RUN/tls/server.crt" --tls-key-file "$RD_RUN/tls/server.key" \
+    --tls-ca-cert-file "$RD_RUN/tls/ca.crt" --tls-auth-clients no
 }
 ready_redis() { wait_until Redis 30 "$RD_PID" "$RD_LOG" rd_answers; }
 
@@ -235,7 +245,7 @@ ready_nats() { wait_until NATS 30 "$NT_PID" "$NT_LOG" nt_answers; }
 pkgs=()
 wanted postgres && pkgs+=(postgresql openssl)
 wanted mariadb && pkgs+=(mariadb-server mariadb-client openssl)
-wanted redis && pkgs+=(redis-server redis-tools)
+wanted redis && pkgs+=(redis-server redis-tools openssl)
 wanted rabbitmq && pkgs+=(rabbitmq-server)
 wanted mosquitto && pkgs+=(mosquitto)
 wanted nats && pkgs+=(nats-server)

@@ -62,6 +62,8 @@ pub mod outbox;
 pub mod outcome;
 pub mod policy;
 pub mod redact;
+#[cfg(any(feature = "redis", feature = "redis-streams"))]
+pub mod redis_client;
 pub mod retention;
 pub mod source;
 pub mod store;

@@ -5,13 +5,15 @@
 //! `ssl-mode=VERIFY_IDENTITY&ssl-ca=…`, each running duplicates through a
 //! consumer exactly once on connections the server reports as encrypted. A
 //! server certificate that does not verify is refused with a configuration
-//! error; without TLS the same check reports a plain connection.
+//! error; without TLS the same check reports a plain connection. The Redis
+//! store over `rediss://` with `cacert` on the local Redis's TLS port.
 #![cfg(all(feature = "postgres", feature = "mysql"))]
 
 mod support;
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use idemq::source::queue::MemoryQueue;
 use idemq::store::sql::mysql::{MySqlStore, MySqlTx};
@@ -180,4 +182,109 @@ async fn a_certificate_that_does_not_verify_is_refused() {
     let mariadb = MySqlStore::connect(&mariadb_verified(&root_cert("postgres"))).await;
     let err = mariadb.expect_err("MariaDB with a foreign CA");
     assert_eq!(err.kind(), StoreErrorKind::Config, "{err:?}");
+}
+
+/// The Redis lease store over `rediss://` on the TLS port of the local
+/// Redis, verified against its CA (`cacert`): duplicated payments, each
+/// handled once. The same server checked against another CA is refused.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_rediss_with_cacert_handles_each_payment_once() {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    use idemq::store::redis::{RedisLease, RedisOptions, RedisStore};
+
+    let url = |ca: &str| format!("rediss://localhost:6380/?cacert={ca}");
+    let store = RedisStore::connect_with(
+        &url(&root_cert("redis")),
+        RedisOptions::default().prefix(support::unique("tls")),
+    )
+    .await
+    .expect("connect to Redis over verified TLS");
+    let w = workload(20, 0);
+    let calls: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let consumer = Consumer::builder("tls", store)
+        .key(KeySpec::json("/payment_id"))
+        .concurrency(4)
+        .handler(handler_fn({
+            let calls = Arc::clone(&calls);
+            move |ctx, _lease: &mut RedisLease| {
+                *calls.lock().unwrap().entry(ctx.key.to_owned()).or_default() += 1;
+                Box::pin(async { Ok(None) })
+            }
+        }))
+        .build()
+        .unwrap();
+    let summary = consumer.run(queue_of(&w.messages).source()).await.unwrap();
+    assert_eq!(
+        summary.count(OutcomeKind::Processed) as usize,
+        w.expected.len(),
+        "{summary}"
+    );
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), w.expected.len(), "{calls:?}");
+    assert!(
+        calls.values().all(|&n| n == 1),
+        "a payment handled twice: {calls:?}"
+    );
+
+    let foreign = RedisStore::connect_with(
+        &url(&root_cert("postgres")),
+        RedisOptions::default().timeouts(Duration::from_secs(2), Duration::from_secs(2)),
+    )
+    .await;
+    assert!(foreign.is_err(), "a foreign CA was accepted");
+}
+
+/// The Redis Streams source and publisher over TLS (`cacert` in a
+/// `redis-stream://` URL): duplicated payments published and consumed
+/// through the TLS port, each handled once, and the stream removed.
+#[cfg(all(feature = "redis", feature = "redis-streams"))]
+#[tokio::test]
+async fn redis_streams_over_tls_delivers_each_payment_once() {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    use idemq::source::registry;
+    use idemq::store::memory::{Lease, MemoryStore};
+
+    let stream = support::unique("tls");
+    let url = format!(
+        "redis-stream://localhost:6380/{stream}?group=g&cacert={}",
+        root_cert("redis")
+    );
+    let broker = registry::lookup(&url)
+        .unwrap()
+        .expect("redis-stream is registered");
+    let publisher = (broker.open_publisher)(&url)
+        .await
+        .expect("publisher over TLS");
+    let w = workload(12, 0);
+    support::publish_all(&*publisher, &w.messages).await;
+    let source = (broker.open_source)(&url).await.expect("source over TLS");
+
+    let calls: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let consumer = Consumer::builder("tls", MemoryStore::new())
+        .key(KeySpec::json("/payment_id"))
+        .handler(handler_fn({
+            let calls = Arc::clone(&calls);
+            move |ctx, _lease: &mut Lease| {
+                *calls.lock().unwrap().entry(ctx.key.to_owned()).or_default() += 1;
+                Box::pin(async { Ok(None) })
+            }
+        }))
+        .build()
+        .unwrap();
+    let expected = w.expected.len();
+    support::run_until(&consumer, source, Duration::from_secs(30), || {
+        calls.lock().unwrap().len() == expected
+    })
+    .await;
+    let calls = calls.lock().unwrap().clone();
+    assert!(
+        calls.values().all(|&n| n == 1),
+        "a payment handled twice: {calls:?}"
+    );
+    (broker.remove)(&url).await.expect("remove the stream");
 }

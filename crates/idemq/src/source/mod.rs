@@ -34,7 +34,7 @@ pub mod registry;
 pub mod rocketmq;
 #[cfg(feature = "sqs")]
 pub mod sqs;
-mod url;
+pub(crate) mod url;
 
 /// Settles one delivery with its source.
 #[async_trait]

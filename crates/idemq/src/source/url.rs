@@ -416,7 +416,7 @@ pub(crate) fn redact(url: &str) -> String {
 
 /// Strict percent-decoding: `%` must be followed by two hex digits, and the
 /// result must be UTF-8.
-fn decode(text: &str) -> Result<String, String> {
+pub(crate) fn decode(text: &str) -> Result<String, String> {
     if !text.contains('%') {
         return Ok(text.to_owned());
     }

@@ -57,7 +57,11 @@ impl RedisStreamConfig {
     }
 
     /// Parses
-    /// `redis-stream://[user:password@]host:port/stream?group=NAME[&consumer=NAME][&claim_idle=30s][&block=2s][&count=10][&dead_letter_stream=NAME][&start=0|$][&db=N]`.
+    /// `redis-stream://[user:password@]host:port/stream?group=NAME[&consumer=NAME][&claim_idle=30s][&block=2s][&count=10][&dead_letter_stream=NAME][&start=0|$][&db=N][&tls=true][&cacert=PATH]`.
+    ///
+    /// `tls=true` connects over TLS (as `rediss://`), verified against the
+    /// system's and Mozilla's roots; `cacert` names a PEM file of the CA to
+    /// verify against instead (and implies `tls`).
     ///
     /// `group` is required. Durations take a unit (`ms`, `s`, `m`, `h`);
     /// unlike the other sources' URLs, a bare number is **milliseconds**, as
@@ -69,6 +73,8 @@ impl RedisStreamConfig {
         u.host_list()?;
         let mut group = None;
         let mut db = None;
+        let mut tls = false;
+        let mut cacert = None;
         let mut config = Self::new(String::new(), u.decoded_path()?, String::new());
         for p in u.params() {
             match p.name.as_str() {
@@ -80,14 +86,31 @@ impl RedisStreamConfig {
                 "dead_letter_stream" => config.dead_letter_stream = Some(p.value),
                 "start" => config.start = p.value,
                 "db" => db = Some(p.count::<u32>()?),
+                "tls" => tls = p.flag()?,
+                "cacert" => cacert = p.non_empty(),
                 _ => return Err(p.unknown()),
             }
         }
         config.group = group.ok_or_else(|| u.missing("group"))?;
-        config.redis_url = match db {
-            Some(db) => format!("redis://{}/{db}", u.authority),
-            None => format!("redis://{}", u.authority),
+        let scheme = if tls || cacert.is_some() {
+            "rediss"
+        } else {
+            "redis"
         };
+        config.redis_url = match db {
+            Some(db) => format!("{scheme}://{}/{db}", u.authority),
+            None => format!("{scheme}://{}", u.authority),
+        };
+        if let Some(path) = cacert {
+            if db.is_none() {
+                config.redis_url.push('/');
+            }
+            config.redis_url.push_str(&format!(
+                "?{}={}",
+                crate::redis_client::CACERT_PARAM,
+                crate::redis_client::encode_param(&path)
+            ));
+        }
         config.validate()?;
         Ok(config)
     }
@@ -191,6 +214,13 @@ mod tests {
         let c =
             RedisStreamConfig::from_url("redis-stream://u:p@localhost:6379/a%3Ab?group=g").unwrap();
         assert_eq!(c.redis_url, "redis://u:p@localhost:6379");
+        let tls = RedisStreamConfig::from_url("redis-stream://h:6380/s?group=g&tls=true").unwrap();
+        assert_eq!(tls.redis_url, "rediss://h:6380");
+        let ca = RedisStreamConfig::from_url(
+            "redis-stream://h:6380/s?group=g&cacert=/etc/ca%20x.pem&db=1",
+        )
+        .unwrap();
+        assert_eq!(ca.redis_url, "rediss://h:6380/1?cacert=/etc/ca%20x.pem");
         assert_eq!(c.stream, "a:b");
         assert_eq!(c.consumer, None);
         assert_eq!(c.claim_idle, Duration::from_secs(30));

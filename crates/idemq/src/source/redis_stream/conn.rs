@@ -25,12 +25,7 @@ pub(super) async fn connection(
     url: &str,
     response: Duration,
 ) -> Result<ConnectionManager, SourceError> {
-    let client = redis::Client::open(url).map_err(|e| {
-        SourceError::config(format!(
-            "bad Redis URL {:?}: {e}",
-            crate::redact::redact_url(url)
-        ))
-    })?;
+    let client = crate::redis_client::client(url).map_err(SourceError::config)?;
     let config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(COMMAND_TIMEOUT))
         .set_response_timeout(Some(response))

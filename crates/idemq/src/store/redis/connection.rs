@@ -34,12 +34,7 @@ impl RedisConnection {
     /// Connects to one Redis at `url` (`redis://[user:pass@]host:port[/db]`).
     /// The connection reconnects by itself after an outage.
     pub async fn connect(url: &str, options: &RedisOptions) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url).map_err(|e| {
-            StoreError::config(format!(
-                "bad Redis URL {:?}: {e}",
-                crate::redact::redact_url(url)
-            ))
-        })?;
+        let client = crate::redis_client::client(url).map_err(StoreError::config)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(options.connection_timeout))
             .set_response_timeout(Some(options.response_timeout))
