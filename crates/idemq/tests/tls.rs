@@ -53,6 +53,30 @@ fn mariadb_verified(ca: &str) -> String {
     format!("mysql://root@localhost:3306/test?ssl-mode=VERIFY_IDENTITY&ssl-ca={ca}")
 }
 
+/// Handler calls per key.
+type Calls = Arc<std::sync::Mutex<std::collections::HashMap<String, u32>>>;
+
+/// A handler over lease `Tx` that counts its calls per key in `calls`.
+#[cfg(feature = "redis")]
+fn counting<Tx: Send + 'static>(calls: &Calls) -> impl idemq::Handler<Tx> {
+    let calls = Arc::clone(calls);
+    handler_fn(move |ctx, _lease: &mut Tx| {
+        *calls.lock().unwrap().entry(ctx.key.to_owned()).or_default() += 1;
+        Box::pin(async { Ok(None) })
+    })
+}
+
+/// Every one of `expected` keys was handled, each exactly once.
+#[cfg(feature = "redis")]
+fn assert_each_once(calls: &Calls, expected: usize) {
+    let calls = calls.lock().unwrap();
+    assert_eq!(calls.len(), expected, "{calls:?}");
+    assert!(
+        calls.values().all(|&n| n == 1),
+        "a payment handled twice: {calls:?}"
+    );
+}
+
 /// A closed in-memory queue holding `messages`.
 fn queue_of(messages: &[idemq::Message]) -> MemoryQueue {
     let queue = MemoryQueue::new("tls");
@@ -190,9 +214,6 @@ async fn a_certificate_that_does_not_verify_is_refused() {
 #[cfg(feature = "redis")]
 #[tokio::test]
 async fn redis_rediss_with_cacert_handles_each_payment_once() {
-    use std::collections::HashMap;
-    use std::sync::Mutex;
-
     use idemq::store::redis::{RedisLease, RedisOptions, RedisStore};
 
     let url = |ca: &str| format!("rediss://localhost:6380/?cacert={ca}");
@@ -203,17 +224,11 @@ async fn redis_rediss_with_cacert_handles_each_payment_once() {
     .await
     .expect("connect to Redis over verified TLS");
     let w = workload(20, 0);
-    let calls: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let calls = Calls::default();
     let consumer = Consumer::builder("tls", store)
         .key(KeySpec::json("/payment_id"))
         .concurrency(4)
-        .handler(handler_fn({
-            let calls = Arc::clone(&calls);
-            move |ctx, _lease: &mut RedisLease| {
-                *calls.lock().unwrap().entry(ctx.key.to_owned()).or_default() += 1;
-                Box::pin(async { Ok(None) })
-            }
-        }))
+        .handler(counting::<RedisLease>(&calls))
         .build()
         .unwrap();
     let summary = consumer.run(queue_of(&w.messages).source()).await.unwrap();
@@ -222,12 +237,7 @@ async fn redis_rediss_with_cacert_handles_each_payment_once() {
         w.expected.len(),
         "{summary}"
     );
-    let calls = calls.lock().unwrap().clone();
-    assert_eq!(calls.len(), w.expected.len(), "{calls:?}");
-    assert!(
-        calls.values().all(|&n| n == 1),
-        "a payment handled twice: {calls:?}"
-    );
+    assert_each_once(&calls, w.expected.len());
 
     let foreign = RedisStore::connect_with(
         &url(&root_cert("postgres")),
@@ -243,9 +253,6 @@ async fn redis_rediss_with_cacert_handles_each_payment_once() {
 #[cfg(all(feature = "redis", feature = "redis-streams"))]
 #[tokio::test]
 async fn redis_streams_over_tls_delivers_each_payment_once() {
-    use std::collections::HashMap;
-    use std::sync::Mutex;
-
     use idemq::source::registry;
     use idemq::store::memory::{Lease, MemoryStore};
 
@@ -264,16 +271,10 @@ async fn redis_streams_over_tls_delivers_each_payment_once() {
     support::publish_all(&*publisher, &w.messages).await;
     let source = (broker.open_source)(&url).await.expect("source over TLS");
 
-    let calls: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let calls = Calls::default();
     let consumer = Consumer::builder("tls", MemoryStore::new())
         .key(KeySpec::json("/payment_id"))
-        .handler(handler_fn({
-            let calls = Arc::clone(&calls);
-            move |ctx, _lease: &mut Lease| {
-                *calls.lock().unwrap().entry(ctx.key.to_owned()).or_default() += 1;
-                Box::pin(async { Ok(None) })
-            }
-        }))
+        .handler(counting::<Lease>(&calls))
         .build()
         .unwrap();
     let expected = w.expected.len();
@@ -281,10 +282,6 @@ async fn redis_streams_over_tls_delivers_each_payment_once() {
         calls.lock().unwrap().len() == expected
     })
     .await;
-    let calls = calls.lock().unwrap().clone();
-    assert!(
-        calls.values().all(|&n| n == 1),
-        "a payment handled twice: {calls:?}"
-    );
+    assert_each_once(&calls, expected);
     (broker.remove)(&url).await.expect("remove the stream");
 }

@@ -85,8 +85,10 @@ impl SqlOptions {
 /// timeouts and busy databases.
 pub fn is_transient(err: &sqlx::Error) -> bool {
     match err {
-        sqlx::Error::Io(e) => !is_bad_certificate(e),
-        sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Protocol(_) => true,
         sqlx::Error::Database(db) => {
             #[cfg(feature = "mysql")]
             if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
@@ -134,10 +136,17 @@ pub fn is_missing_table(err: &sqlx::Error) -> bool {
 
 /// Maps a database error to a [`StoreError`] of its kind (transient,
 /// missing tables, other), with the error as its source.
-/// A TLS handshake that refused the server's certificate: rustls reports it
-/// to sqlx as an I/O error of kind `InvalidData`.
-fn is_bad_certificate(e: &std::io::Error) -> bool {
-    e.kind() == std::io::ErrorKind::InvalidData
+/// A connect error: as [`store_error`], except that an I/O error of kind
+/// `InvalidData` is a configuration error. That is how rustls reports a
+/// server certificate it refused; on a connection that is up, the same kind
+/// stays transient (a broken stream), so only connecting decides this.
+pub(crate) fn connect_error(err: sqlx::Error) -> StoreError {
+    match &err {
+        sqlx::Error::Io(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+            StoreError::from_source(StoreErrorKind::Config, err)
+        }
+        _ => store_error(err),
+    }
 }
 
 pub(crate) fn store_error(err: sqlx::Error) -> StoreError {
@@ -145,9 +154,7 @@ pub(crate) fn store_error(err: sqlx::Error) -> StoreError {
         StoreErrorKind::Transient
     } else if is_missing_table(&err) {
         StoreErrorKind::MissingSchema
-    } else if matches!(err, sqlx::Error::Tls(_) | sqlx::Error::Configuration(_))
-        || matches!(&err, sqlx::Error::Io(e) if is_bad_certificate(e))
-    {
+    } else if matches!(err, sqlx::Error::Tls(_) | sqlx::Error::Configuration(_)) {
         // A certificate that does not verify, a bad sslmode or CA path:
         // retrying cannot help.
         StoreErrorKind::Config

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::database::{Bind, Column, SqlDatabase, SqlRow};
-use super::{migrate, store_error, BatchQueries, Queries, SqlOptions, Tables};
+use super::{connect_error, migrate, store_error, BatchQueries, Queries, SqlOptions, Tables};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::store::{
     dead_letter_message, now_ms, parse_result, AttemptRecord, Claim, ClaimRequest, ConsumerStats,
@@ -90,7 +90,7 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         let tables = options
             .tables()
             .map_err(|e| StoreError::from_source(StoreErrorKind::Config, e))?;
-        let pool = DB::connect(url, &options).await.map_err(store_error)?;
+        let pool = DB::connect(url, &options).await.map_err(connect_error)?;
         Ok(Self::with_tables(pool, tables))
     }
 
