@@ -1,6 +1,6 @@
 //! Named fail points of the protocol, for fault injection (`idemq chaos`).
 //!
-//! [`failpoint!`] marks a point of the engine by name. Without the
+//! `failpoint!` marks a point of the engine by name. Without the
 //! `failpoints` cargo feature it expands to nothing: normal builds carry no
 //! trace of it. With the feature it is the [`fail`](https://docs.rs/fail)
 //! crate's `fail_point!`, which a process arms at run time with

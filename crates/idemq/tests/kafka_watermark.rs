@@ -31,7 +31,10 @@ use idemq::engine::WatermarkOptions;
 use idemq::source::kafka::{create_topic, KafkaConfig, KafkaPublisher, KafkaSource};
 use idemq::source::{Delivery, Source};
 use idemq::store::sql::{SqlOptions, Tables};
-use idemq::store::{OffsetClaim, OffsetStore, Store, StoreAdmin};
+use idemq::store::unit::{
+    Completion, MemberAnswer, MemberClaim, RecordClaim, RecordPosition, UnitOptions, WorkUnit,
+};
+use idemq::store::{ClaimRequest, Store, StoreAdmin, UnitStore, WatermarkStore};
 use idemq::{
     Consumer, ConsumerBuilder, HandlerError, KeySpec, Message, OutcomeKind, SourceError, Summary,
 };
@@ -73,7 +76,7 @@ type Keep = Box<dyn std::any::Any + Send + Sync>;
 /// scenarios run on its database besides the store's own.
 trait Backend: 'static {
     /// The store.
-    type S: OffsetStore + StoreAdmin + Clone;
+    type S: WatermarkStore + StoreAdmin + Clone;
     /// A database for one test: its URL, and what must outlive the stores.
     fn location() -> (String, Keep);
     /// A store on `url` whose tables start with `prefix` (not migrated).
@@ -393,7 +396,7 @@ impl Source for NoSeek {
 }
 
 /// Runs until `outcomes` deliveries were settled (or 60 s), then stops.
-async fn run_for<S: OffsetStore>(
+async fn run_for<S: WatermarkStore>(
     consumer: &Consumer<S>,
     source: impl Source,
     options: WatermarkOptions,
@@ -646,19 +649,44 @@ async fn first_claims_of_many_partitions_at_once<B: Backend>() {
     let ledger = Ledger::<B>::new().await;
     let store = &ledger.store;
     let topic = support::unique("wm");
+    let shared = std::sync::Arc::new(store.clone());
     let claims = (0..MANY).map(|p| {
-        let topic = &topic;
+        let (topic, shared) = (&topic, &shared);
         async move {
-            match store.claim_offset("wm-first", topic, p, 5, true).await? {
-                OffsetClaim::New(tx) => {
-                    store
-                        .commit_offset(tx, "wm-first", topic, p, Some(6), None)
-                        .await
-                }
-                OffsetClaim::Applied { next_offset } => {
-                    panic!("partition {p}: a first claim found watermark {next_offset}")
-                }
-            }
+            let key = format!("{topic}-{p}@5");
+            let claim = MemberClaim::Record(RecordClaim {
+                at: RecordPosition {
+                    topic,
+                    partition: p,
+                    offset: 5,
+                },
+                identity: ClaimRequest {
+                    consumer: "wm-first",
+                    key: &key,
+                    fingerprint: "",
+                    lease: std::time::Duration::from_secs(30),
+                },
+                claim_key: false,
+                position: None,
+                skip_to: None,
+            });
+            let mut unit = shared.begin(UnitOptions::new(
+                false,
+                std::time::Duration::from_secs(30),
+                idemq::InFlightPolicy::Reject,
+            ));
+            let answers = unit.claim(std::slice::from_ref(&claim)).await?;
+            assert_eq!(
+                answers,
+                [MemberAnswer::New],
+                "partition {p}: a first claim found a watermark"
+            );
+            let done = [Completion {
+                member: 0,
+                result: None,
+                watermark: Some(6),
+            }];
+            unit.complete(&[claim], &done).await.map(|_| ())
         }
     });
     let results = futures_util::future::join_all(claims).await;

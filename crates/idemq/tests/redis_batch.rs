@@ -1,6 +1,6 @@
 #![cfg(feature = "redis")]
 //! Batch mode over the Redis lease store ([`Consumer::run_batched`] with a
-//! [`RedisStore`]; [`LeaseBatchStore`]) against a real Redis (127.0.0.1:6379,
+//! [`RedisStore`]; its [`UnitStore`] units) against a real Redis (127.0.0.1:6379,
 //! `IDEMQ_TEST_REDIS`), each test under its own key prefix: duplicates
 //! inside and across batches with competing batch and per-message
 //! consumers, a failing message in the middle of a batch, crashes before and
@@ -17,7 +17,8 @@ use idemq::engine::BatchOptions;
 use idemq::source::queue::{MemoryQueue, QueueSource};
 use idemq::source::{Acknowledger, Delivery, Source};
 use idemq::store::redis::{RedisLease, RedisOptions, RedisStore};
-use idemq::store::{Claim, ClaimRequest, LeaseBatchStore, LeaseCompletion, Store, StoreAdmin};
+use idemq::store::unit::{Completion, MemberAnswer, MemberClaim, UnitOptions, WorkUnit};
+use idemq::store::{Claim, ClaimRequest, Store, StoreAdmin, UnitStore};
 use idemq::{
     handler_fn, Consumer, ConsumerBuilder, HandlerError, InFlightPolicy, KeySpec, Message,
     OutcomeKind, RetryPolicy, SourceError,
@@ -561,13 +562,39 @@ async fn the_batch_heartbeat_keeps_every_lease_of_a_slow_batch() {
     cleanup(&store, &prefix).await;
 }
 
-fn req(key: &str) -> (&str, &str) {
-    (key, "fp")
+fn req(key: &str, lease: Duration) -> MemberClaim<'_> {
+    MemberClaim::Key(ClaimRequest {
+        consumer: "ledger",
+        key,
+        fingerprint: "fp",
+        lease,
+    })
+}
+
+/// A unit of `store` whose leases last `lease`.
+fn unit(store: &Arc<RedisStore>, lease: Duration) -> idemq::store::redis::RedisUnit {
+    store.begin(UnitOptions::new(false, lease, InFlightPolicy::Reject))
+}
+
+/// Completions of `members`, each with `result`.
+fn completions<'a>(
+    members: &[usize],
+    result: Option<&'a serde_json::Value>,
+) -> Vec<Completion<'a>> {
+    members
+        .iter()
+        .map(|&member| Completion {
+            member,
+            result,
+            watermark: None,
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_batch_holder_is_fenced_off() {
     let (store, prefix) = store().await;
+    let store = Arc::new(store);
     let lease = Duration::from_millis(300);
     // Batch A claims k1 and k2, then its process stalls (its runtime thread
     // is blocked, so the heartbeat cannot run) for longer than the lease.
@@ -580,35 +607,19 @@ async fn a_stale_batch_holder_is_fenced_off() {
             .build()
             .unwrap();
         rt.block_on(async move {
-            let store = RedisStore::connect_with(&url, options(&p)).await.unwrap();
-            let mut group = store.lease_group(lease);
-            let claims = store
-                .claim_leases(&mut group, "ledger", &[req("k1"), req("k2")])
-                .await
-                .unwrap();
-            let leases: Vec<RedisLease> = claims
-                .into_iter()
-                .map(|c| match c {
-                    Claim::New(l) => l,
-                    other => panic!("A's claims must be new: {other:?}"),
-                })
-                .collect();
-            tx.send(leases.iter().map(RedisLease::fencing_token).collect())
-                .unwrap();
+            let store = Arc::new(RedisStore::connect_with(&url, options(&p)).await.unwrap());
+            let mut a = unit(&store, lease);
+            let claims = [req("k1", lease), req("k2", lease)];
+            let answers = a.claim(&claims).await.unwrap();
+            assert_eq!(answers, [MemberAnswer::New, MemberAnswer::New]);
+            let fences = (0..2).map(|n| a.tx(n).unwrap().fencing_token()).collect();
+            tx.send(fences).unwrap();
             std::thread::sleep(Duration::from_millis(900)); // the stall
                                                             // Awake again: the heartbeat runs and finds k1 taken over.
             tokio::time::sleep(Duration::from_millis(200)).await;
-            let lost: Vec<bool> = leases.iter().map(RedisLease::lease_lost).collect();
-            let done = leases
-                .into_iter()
-                .map(|lease| LeaseCompletion {
-                    lease,
-                    fingerprint: "fp",
-                    result: None,
-                })
-                .collect();
-            let flags = store
-                .complete_leases(group, done, Vec::new())
+            let lost: Vec<bool> = (0..2).map(|n| a.tx(n).unwrap().lease_lost()).collect();
+            let flags = a
+                .complete(&claims, &completions(&[0, 1], None))
                 .await
                 .unwrap();
             (lost, flags)
@@ -617,31 +628,18 @@ async fn a_stale_batch_holder_is_fenced_off() {
     let fences_a = rx.recv().unwrap();
     tokio::time::sleep(Duration::from_millis(450)).await;
     // B takes k1 over after A's lease expired, with a higher fencing number.
-    let mut group = store.lease_group(lease);
-    let mut claims = store
-        .claim_leases(&mut group, "ledger", &[req("k1")])
-        .await
-        .unwrap();
-    let Some(Claim::New(b)) = claims.pop() else {
-        panic!("B takes over the expired lease")
-    };
-    assert!(
-        b.fencing_token() > fences_a[0],
-        "{} > {}",
-        b.fencing_token(),
-        fences_a[0]
+    let mut b = unit(&store, lease);
+    let claims = [req("k1", lease)];
+    assert_eq!(
+        b.claim(&claims).await.unwrap(),
+        [MemberAnswer::New],
+        "B takes over the expired lease"
     );
+    let fence_b = b.tx(0).unwrap().fencing_token();
+    assert!(fence_b > fences_a[0], "{fence_b} > {}", fences_a[0]);
     let result = serde_json::json!("B");
-    let flags = store
-        .complete_leases(
-            group,
-            vec![LeaseCompletion {
-                lease: b,
-                fingerprint: "fp",
-                result: Some(&result),
-            }],
-            Vec::new(),
-        )
+    let flags = b
+        .complete(&claims, &completions(&[0], Some(&result)))
         .await
         .unwrap();
     assert_eq!(flags, [true]);
@@ -661,20 +659,19 @@ async fn a_stale_batch_holder_is_fenced_off() {
     // k2 is free for its redelivery, with a higher fencing number than A's.
     let k2 = store.inspect("ledger", "k2").await.unwrap();
     assert!(k2.inbox.is_none() && !k2.in_flight, "{k2:?}");
-    let mut group = store.lease_group(lease);
-    let Some(Claim::New(again)) = store
-        .claim_leases(&mut group, "ledger", &[req("k2")])
-        .await
-        .unwrap()
-        .pop()
-    else {
-        panic!("k2 is claimed anew")
-    };
-    assert!(again.fencing_token() > fences_a[1]);
-    store
-        .complete_leases(group, Vec::new(), vec![again])
-        .await
-        .unwrap();
+    let mut again = unit(&store, lease);
+    let claims = [req("k2", lease)];
+    assert_eq!(
+        again.claim(&claims).await.unwrap(),
+        [MemberAnswer::New],
+        "k2 is claimed anew"
+    );
+    assert!(again.tx(0).unwrap().fencing_token() > fences_a[1]);
+    again.abort().await;
+    assert!(
+        !store.inspect("ledger", "k2").await.unwrap().in_flight,
+        "abort released k2"
+    );
     cleanup(&store, &prefix).await;
 }
 

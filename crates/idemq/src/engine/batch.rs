@@ -1,6 +1,7 @@
 //! Batch mode: a polled batch of messages shares one transaction.
 //!
-//! Per batch, with a [`BatchStore`] (the SQL stores):
+//! A batch is one unit of work of the store ([`UnitStore`]). Per batch, with
+//! a SQL store:
 //! 1. every message's key and fingerprint are derived (bad input is
 //!    dead-lettered on its own, as in per-message mode);
 //! 2. all keys are claimed in **one statement** in a new transaction;
@@ -41,14 +42,12 @@ use futures_util::future::BoxFuture;
 use super::consumer::{Consumer, Identity};
 use super::pipeline::Member;
 use super::run::{Direct, Runner, Units};
-use super::unit::leases::LeaseBatch;
-use super::unit::savepoints::SqlBatch;
-use super::unit::Mode;
+use super::unit::stored::Batch;
 use crate::error::{InputError, SourceError};
 use crate::message::DeliveryMeta;
 use crate::outcome::{Outcome, Summary};
 use crate::source::{Delivery, Source};
-use crate::store::{BatchStore, LeaseBatchStore, Store};
+use crate::store::UnitStore;
 
 /// How batches are formed in [`Consumer::run_batched`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,42 +78,11 @@ impl Default for BatchOptions {
     }
 }
 
-/// Stores a consumer can run in batch mode ([`Consumer::run_batched`]):
-/// every [`BatchStore`] (a batch shares one transaction, as above) and the
-/// Redis lease store (a batch's claims and its completions take one round
-/// trip each; see [`LeaseBatchStore`]). The engine implements it for the
-/// stores that have a batch unit.
-pub trait BatchMode: Store + Sized {
-    /// Takes one batch through the pipeline and settles each delivery;
-    /// returns the outcomes in order.
-    #[doc(hidden)]
-    fn process_unit(consumer: &Consumer<Self>, unit: BatchUnit) -> BoxFuture<'_, Vec<Outcome>>;
-}
-
-/// One batch on its way through the pipeline: its deliveries, identified
-/// and ordered in their key lanes. Made by the run loop.
-#[doc(hidden)]
-pub struct BatchUnit(pub(crate) Vec<(Member, Identity)>);
-
-impl<S: BatchStore> BatchMode for S {
-    fn process_unit(consumer: &Consumer<Self>, unit: BatchUnit) -> BoxFuture<'_, Vec<Outcome>> {
-        Box::pin(consumer.process_unit(&SqlBatch, unit.0))
-    }
-}
-
-/// The Redis store runs batches through the lease unit.
-#[cfg(feature = "redis")]
-impl BatchMode for crate::store::redis::RedisStore {
-    fn process_unit(consumer: &Consumer<Self>, unit: BatchUnit) -> BoxFuture<'_, Vec<Outcome>> {
-        Box::pin(consumer.process_unit(&LeaseBatch, unit.0))
-    }
-}
-
-/// The run loop's view of batch mode: batches of a [`BatchMode`] store.
+/// The run loop's view of batch mode: batches of a [`UnitStore`].
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Batched;
 
-impl<S: BatchMode> Runner<S> for Batched {
+impl<S: UnitStore> Runner<S> for Batched {
     fn out_of_order(&self) -> bool {
         true
     }
@@ -133,44 +101,22 @@ impl<S: BatchMode> Runner<S> for Batched {
         consumer: &'a Consumer<S>,
         members: Vec<(Member, Identity)>,
     ) -> BoxFuture<'a, Vec<Outcome>> {
-        S::process_unit(consumer, BatchUnit(members))
+        Box::pin(consumer.process_unit(&Batch, members))
     }
 }
 
-impl<S: BatchStore> Consumer<S> {
-    /// Processes a batch of deliveries in one transaction (see the module
-    /// docs) and settles each with its source; returns the outcomes in order.
-    pub async fn process_batch(&self, deliveries: Vec<Delivery>) -> Vec<Outcome> {
-        self.process_polled(&SqlBatch, deliveries).await
-    }
-}
-
-impl<S: LeaseBatchStore> Consumer<S> {
-    /// Processes a batch of deliveries over a lease store (see
-    /// [`LeaseBatchStore`]: a lease per key, claimed and completed in one
-    /// round trip each) and settles each with its source; returns the
+impl<S: UnitStore> Consumer<S> {
+    /// Processes a batch of deliveries as one unit of work of the store (see
+    /// the module docs) and settles each with its source; returns the
     /// outcomes in order.
-    pub async fn process_lease_batch(&self, deliveries: Vec<Delivery>) -> Vec<Outcome> {
-        self.process_polled(&LeaseBatch, deliveries).await
-    }
-}
-
-impl<S: Store> Consumer<S> {
-    /// A polled batch as one unit of `mode`, each delivery identified here.
-    async fn process_polled<M: Mode<S> + Clone + 'static>(
-        &self,
-        mode: &M,
-        deliveries: Vec<Delivery>,
-    ) -> Vec<Outcome> {
+    pub async fn process_batch(&self, deliveries: Vec<Delivery>) -> Vec<Outcome> {
         let members = deliveries
             .into_iter()
-            .map(|delivery| self.member_of(&Direct(mode.clone()), delivery))
+            .map(|delivery| self.member_of(&Direct(Batch), delivery))
             .collect();
-        self.process_unit(mode, members).await
+        self.process_unit(&Batch, members).await
     }
-}
 
-impl<S: BatchMode> Consumer<S> {
     /// Runs `source` in batches until it ends, and returns the outcome counts.
     ///
     /// ```

@@ -34,7 +34,7 @@ mod steps;
 mod unit;
 pub mod watermark;
 
-pub use batch::{BatchMode, BatchOptions};
+pub use batch::BatchOptions;
 pub use consumer::{validate_consumer_name, Consumer, ConsumerBuilder};
 pub use handler::layers;
 pub use handler::{

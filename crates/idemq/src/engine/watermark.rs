@@ -2,7 +2,7 @@
 //!
 //! Instead of one inbox row per message, the store keeps the **next offset
 //! to apply** per (consumer, topic, partition), and moves it in the same
-//! transaction as the handler's effects ([`OffsetStore`]). A delivery whose
+//! transaction as the handler's effects ([`WatermarkStore`]). A delivery whose
 //! offset is below the watermark was applied before and is acked as a
 //! duplicate without running anything. The state is O(partitions), not
 //! O(messages), and nothing needs pruning.
@@ -53,7 +53,7 @@ use crate::outcome::{Outcome, Summary};
 #[cfg(doc)]
 use crate::source::Contiguity;
 use crate::source::{Delivery, OffsetLookup, Source};
-use crate::store::OffsetStore;
+use crate::store::WatermarkStore;
 
 /// How [`Consumer::run_watermarked`] deduplicates.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -81,7 +81,7 @@ struct Watermarks<S> {
 }
 
 #[async_trait]
-impl<S: OffsetStore> OffsetLookup for Watermarks<S> {
+impl<S: WatermarkStore> OffsetLookup for Watermarks<S> {
     async fn next_offsets(
         &self,
         topic: &str,
@@ -100,7 +100,7 @@ impl<S: OffsetStore> OffsetLookup for Watermarks<S> {
     }
 }
 
-impl<S: OffsetStore> Consumer<S> {
+impl<S: WatermarkStore> Consumer<S> {
     /// Runs `source` in offset-watermark mode until it ends (see the module
     /// docs); up to [`concurrency`](super::ConsumerBuilder::concurrency)
     /// deliveries are in flight.

@@ -7,7 +7,9 @@
 //! - *lease* stores ([`memory`]): the claim is an in-flight lease with an
 //!   expiry, completed by compare-and-set; the handler's effects are its own.
 //!
-//! [`StoreAdmin`] holds the operations that are not on the hot path:
+//! Stores that also implement [`UnitStore`] run units of many members
+//! (batch mode) and, with [`WatermarkStore`], offset watermarks (see
+//! [`unit`](mod@unit)). [`StoreAdmin`] holds the operations that are not on the hot path:
 //! migrations, pruning, inspection and the dead-letter queue.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -25,6 +27,9 @@ pub mod memory;
 pub mod redis;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod sql;
+pub mod unit;
+
+pub use unit::{UnitStore, WatermarkStore, WorkUnit};
 
 /// What the engine asks a store to claim.
 #[derive(Debug, Clone, Copy)]
@@ -224,186 +229,6 @@ pub trait Store: Send + Sync + 'static {
     fn journal(&self) -> Option<&dyn EffectJournal> {
         None
     }
-}
-
-/// One key's answer in a batch claim.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum BatchClaim {
-    /// The key is new and now claimed in the batch's transaction.
-    New,
-    /// The key was processed before.
-    Done(InboxRecord),
-    /// The key exists but its row is not visible to this transaction yet
-    /// (another transaction is committing it): retry the message later.
-    Busy,
-}
-
-/// Stores that can claim a whole batch of keys in one transaction, and
-/// isolate each message's handler in a savepoint (the SQL stores).
-///
-/// The engine's batch mode calls, in order: [`claim_batch`](Self::claim_batch)
-/// once; for each new key [`savepoint`](Self::savepoint), the handler, then
-/// [`release_savepoint`](Self::release_savepoint) or
-/// [`rollback_message`](Self::rollback_message); finally
-/// [`commit_batch`](Self::commit_batch) (or [`Store::rollback`]).
-#[async_trait]
-pub trait BatchStore: Store {
-    /// Opens a transaction and claims every `(key, fingerprint)` of
-    /// `consumer` in it, in one statement; answers in the order given. The
-    /// keys must be distinct.
-    async fn claim_batch(
-        &self,
-        consumer: &str,
-        claims: &[(&str, &str)],
-    ) -> Result<(Self::Tx, Vec<BatchClaim>), StoreError>;
-
-    /// Marks the point one message's work can be rolled back to.
-    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
-
-    /// Keeps one message's work (releases its savepoint).
-    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError>;
-
-    /// Undoes one message's work back to its savepoint and gives up its
-    /// claim, so that the redelivery can claim the key again.
-    async fn rollback_message(
-        &self,
-        tx: &mut Self::Tx,
-        consumer: &str,
-        key: &str,
-    ) -> Result<(), StoreError>;
-
-    /// Stores the results, clears the processed keys' failed attempts and
-    /// commits the batch.
-    async fn commit_batch(
-        &self,
-        tx: Self::Tx,
-        consumer: &str,
-        processed: &[(&str, Option<&serde_json::Value>)],
-    ) -> Result<(), StoreError>;
-}
-
-/// One held lease to complete in [`LeaseBatchStore::complete_leases`].
-#[derive(Debug)]
-pub struct LeaseCompletion<'a, Tx> {
-    /// The lease, as [`LeaseBatchStore::claim_leases`] handed it out.
-    pub lease: Tx,
-    /// The payload fingerprint stored with the key.
-    pub fingerprint: &'a str,
-    /// The handler's result, stored with the key.
-    pub result: Option<&'a serde_json::Value>,
-}
-
-/// Lease stores that claim and complete a whole batch of keys in one round
-/// trip each (the Redis store): the lease-store counterpart of
-/// [`BatchStore`], driven by the engine's batch mode.
-///
-/// The engine calls, per batch: [`lease_group`](Self::lease_group);
-/// [`claim_leases`](Self::claim_leases) once (again for keys found in
-/// flight, when it waits for them); the handlers, each with its own lease;
-/// finally [`complete_leases`](Self::complete_leases) once, with every lease
-/// it got. Dropping the group instead (the batch was cancelled) releases the
-/// leases still held.
-#[async_trait]
-pub trait LeaseBatchStore: Store {
-    /// The leases held by one batch: one heartbeat keeps all of them alive.
-    type Leases: Send + 'static;
-
-    /// An empty group whose leases last `lease` without a heartbeat.
-    fn lease_group(&self, lease: Duration) -> Self::Leases;
-
-    /// Claims every `(key, fingerprint)` of `consumer` in one round trip;
-    /// new leases join `group`. Answers in the order given; the keys must be
-    /// distinct.
-    async fn claim_leases(
-        &self,
-        group: &mut Self::Leases,
-        consumer: &str,
-        claims: &[(&str, &str)],
-    ) -> Result<Vec<Claim<Self::Tx>>, StoreError>;
-
-    /// Stops the group's heartbeat and, in one round trip, completes `done`
-    /// (compare-and-set on each lease's token, with the result and the
-    /// retention TTL) and releases `failed` (compare-and-delete). Answers,
-    /// per completion in order, whether it held; `false`: the lease was lost
-    /// (taken over after expiring) and the completion refused.
-    async fn complete_leases(
-        &self,
-        group: Self::Leases,
-        done: Vec<LeaseCompletion<'_, Self::Tx>>,
-        failed: Vec<Self::Tx>,
-    ) -> Result<Vec<bool>, StoreError>;
-}
-
-/// The answer to an offset claim in offset-watermark mode.
-#[derive(Debug)]
-pub enum OffsetClaim<Tx> {
-    /// The offset is at or past the watermark: apply it in this transaction.
-    New(Tx),
-    /// The offset is below the watermark: it was applied before.
-    Applied {
-        /// The partition's watermark: the next offset to apply.
-        next_offset: i64,
-    },
-}
-
-/// Stores that keep an offset watermark per (consumer, topic, partition) in
-/// the same transaction as the effects (the SQL stores): the state of the
-/// offset-watermark mode, O(partitions) rather than O(messages).
-#[async_trait]
-pub trait OffsetStore: Store {
-    /// Opens a transaction and answers whether `offset` is still to be
-    /// applied (below the partition's watermark it is not). With
-    /// `lock_partition` the transaction holds the partition's watermark row
-    /// until it ends, so the partition's records apply one at a time; without
-    /// it, records of one partition apply concurrently and the caller claims
-    /// each record's position itself ([`claim_key_in`](Self::claim_key_in)).
-    async fn claim_offset(
-        &self,
-        consumer: &str,
-        topic: &str,
-        partition: i32,
-        offset: i64,
-        lock_partition: bool,
-    ) -> Result<OffsetClaim<Self::Tx>, StoreError>;
-
-    /// Inside an offset claim's transaction, claims the business key too
-    /// (offset watermark combined with key dedup): `None` if the key is new,
-    /// else its record.
-    async fn claim_key_in(
-        &self,
-        tx: &mut Self::Tx,
-        req: &ClaimRequest<'_>,
-    ) -> Result<Option<InboxRecord>, StoreError>;
-
-    /// Moves the watermark to `next_offset` (never back; `None` leaves it),
-    /// stores the key's result if a key was claimed, and commits.
-    async fn commit_offset(
-        &self,
-        tx: Self::Tx,
-        consumer: &str,
-        topic: &str,
-        partition: i32,
-        next_offset: Option<i64>,
-        key: Option<(&ClaimRequest<'_>, Option<&serde_json::Value>)>,
-    ) -> Result<(), StoreError>;
-
-    /// Moves the watermark past `offset` in its own transaction (after a
-    /// dead letter, so a re-read does not dead-letter it again).
-    async fn advance_offset(
-        &self,
-        consumer: &str,
-        topic: &str,
-        partition: i32,
-        offset: i64,
-    ) -> Result<(), StoreError>;
-
-    /// The partition's watermark (the next offset to apply), if it has one.
-    async fn watermark(
-        &self,
-        consumer: &str,
-        topic: &str,
-        partition: i32,
-    ) -> Result<Option<i64>, StoreError>;
 }
 
 /// Operations off the hot path: schema, retention, inspection, dead letters.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idemq::engine::BatchOptions;
-use idemq::store::{BatchStore, Claim, ClaimRequest, Store, StoreAdmin};
+use idemq::store::{Claim, ClaimRequest, Store, StoreAdmin, UnitStore};
 use idemq::{Message, OutcomeKind, StoreErrorKind};
 
 use crate::backend::{unmigrated, Backend, Plan, SqlTestStore};
@@ -94,7 +94,7 @@ where
 /// applied, across batches as inside one.
 pub async fn the_first_copy_in_order_wins_across_batches<B: Backend>(concurrency: usize)
 where
-    B::S: BatchStore,
+    B::S: UnitStore,
 {
     crate::scenarios::first_copies_win::<B>(concurrency, |consumer, queue| {
         Box::pin(async move { consumer.run_batched(queue.source(), options(20)).await })
@@ -108,7 +108,7 @@ fn options(max_size: usize) -> BatchOptions {
 
 pub async fn exactly_once_with_duplicates_inside_and_across_batches<B: Backend>()
 where
-    B::S: BatchStore,
+    B::S: UnitStore,
 {
     let backend = B::fresh().await;
     let plan = Arc::new(Plan::default());
@@ -158,7 +158,7 @@ where
 
 pub async fn a_failing_message_rolls_back_alone<B: Backend>()
 where
-    B::S: BatchStore,
+    B::S: UnitStore,
 {
     let backend = B::fresh().await;
     let plan = Arc::new(Plan::default());
@@ -199,7 +199,7 @@ where
 /// that fails every call in place still rolls back alone.
 pub async fn a_retry_in_place_inside_a_batch<B: Backend>()
 where
-    B::S: BatchStore,
+    B::S: UnitStore,
     <B::S as Store>::Tx: idemq::layers::Rewind,
 {
     let backend = B::fresh().await;
@@ -234,7 +234,7 @@ where
 
 pub async fn a_crash_before_the_commit_applies_the_batch_once<B: Backend>()
 where
-    B::S: BatchStore,
+    B::S: UnitStore,
 {
     let backend = B::fresh().await;
     let plan = Arc::new(Plan::default());
@@ -273,7 +273,7 @@ where
 
 pub async fn lost_acks_after_the_commit_are_duplicates<B: Backend>()
 where
-    B::S: BatchStore,
+    B::S: UnitStore,
 {
     let backend = B::fresh().await;
     let plan = Arc::new(Plan::default());

@@ -4,12 +4,15 @@
 //! The pipeline (`super::pipeline`) is written once over [`Unit`]; a mode
 //! decides what a unit is:
 //!
-//! | mode | unit | a failing member | complete |
-//! |---|---|---|---|
-//! | per message ([`single`]) | one key in its own transaction or lease | rolls the unit back | commit / compare-and-set |
-//! | SQL batch ([`savepoints`]) | many keys in one transaction | first run: rolls the unit back, which runs again with a savepoint per member | one commit |
-//! | lease batch ([`leases`]) | many keys, a lease each, one heartbeat | releases its lease | one round trip |
-//! | offset watermark ([`offsets`]) | one record's offset (and key) in one transaction | rolls the unit back | commit with the watermark moved |
+//! | mode | unit | claims |
+//! |---|---|---|
+//! | per message ([`single`]) | one key in its own transaction or lease, for any [`Store`] | the key |
+//! | batch ([`stored::Batch`]) | the store's own [`WorkUnit`](crate::store::WorkUnit) ([`UnitStore`](crate::store::UnitStore)) | many keys |
+//! | offset watermark ([`offsets::Watermark`]) | the store's own unit ([`WatermarkStore`](crate::store::WatermarkStore)) | one record's position (and key) |
+//!
+//! What a store's unit does with a failing member and how it completes is
+//! the store's: one SQL transaction with savepoints, Redis leases completed
+//! in one round trip (see [`crate::store::unit`]).
 
 use async_trait::async_trait;
 
@@ -17,12 +20,13 @@ use super::consumer::{Consumer, Identity};
 use crate::error::{InputError, StoreError};
 use crate::message::DeliveryMeta;
 use crate::source::Acknowledger;
-use crate::store::{ClaimRequest, InboxRecord, Store};
+use crate::store::{ClaimRequest, Store};
 
-pub(crate) mod leases;
 pub(crate) mod offsets;
-pub(crate) mod savepoints;
 pub(crate) mod single;
+pub(crate) mod stored;
+
+pub(crate) use crate::store::unit::{MemberAnswer as Answer, Undone};
 
 /// One member of a unit as its store sees it: the claim and where the
 /// delivery came from.
@@ -34,27 +38,6 @@ pub(crate) struct Claimant<'a> {
     pub(crate) meta: &'a DeliveryMeta,
     /// Its settlement: the offset claim asks it how the partition stands.
     pub(crate) acker: &'a dyn Acknowledger,
-}
-
-/// How a member's claim stands.
-#[derive(Debug)]
-pub(crate) enum Answer {
-    /// The key is new and held by the unit: run the handler.
-    New,
-    /// Processed before; here is what was stored.
-    Done(InboxRecord),
-    /// Held by another worker or not visible yet: retry later, for this reason.
-    Busy(String),
-}
-
-/// What undoing one member's work undid.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Undone {
-    /// Only this member's work; the rest of the unit holds.
-    Member,
-    /// The whole unit (no savepoints): the pipeline runs it again with
-    /// every member isolated.
-    Unit,
 }
 
 /// A unit of work over store `S`: claims its members, isolates a failing

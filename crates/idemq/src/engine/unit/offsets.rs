@@ -1,20 +1,24 @@
-//! The offset unit of the watermark mode ([`OffsetStore`]): one record's
-//! offset (and, with key dedup, its business key) claimed in one
-//! transaction, committed with the partition's watermark moved past it —
+//! Offset-watermark mode ([`WatermarkStore`]): each member claims its
+//! record — its offset (and, with key dedup, its business key) — in the
+//! store's unit, which commits with the partition's watermark moved past it;
 //! or, when records of its partition commit out of order
 //! ([`Contiguity::Tracked`]), with its position claimed in the inbox and the
 //! watermark moved only to the partition's contiguous position.
 
 use async_trait::async_trait;
 
-use super::{roll_back, Answer, Claimant, Mode, Undone, Unit};
+use super::stored::{self, Stored};
+use super::{Answer, Claimant, Mode};
 use crate::engine::consumer::{Consumer, Identity};
 use crate::engine::watermark::WatermarkOptions;
 use crate::error::{InputError, StoreError};
 use crate::message::DeliveryMeta;
 use crate::outcome::DeadLetterReason;
 use crate::source::{Acknowledger, Contiguity};
-use crate::store::{ClaimRequest, InboxRecord, OffsetClaim, OffsetStore};
+use crate::store::unit::{
+    Completion, MemberClaim, RecordClaim, RecordPosition, UnitOptions, WatermarkStore, WorkUnit,
+};
+use crate::store::ClaimRequest;
 
 /// Where a delivery sits in its partitioned log.
 pub(crate) struct Position<'a> {
@@ -23,10 +27,19 @@ pub(crate) struct Position<'a> {
     pub(crate) offset: i64,
 }
 
-impl Position<'_> {
+impl<'a> Position<'a> {
     /// The record's identity in the inbox: `topic-partition@offset`.
     fn key(&self) -> String {
         format!("{}-{}@{}", self.topic, self.partition, self.offset)
+    }
+
+    /// The position as the store's record claim takes it.
+    fn record(&self) -> RecordPosition<'a> {
+        RecordPosition {
+            topic: self.topic,
+            partition: self.partition,
+            offset: self.offset,
+        }
     }
 }
 
@@ -71,9 +84,18 @@ fn tracked(contiguity: Contiguity) -> bool {
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Watermark(pub(crate) WatermarkOptions);
 
+impl Watermark {
+    fn records(&self) -> Records {
+        Records {
+            dedup_keys: self.0.dedup_keys,
+            concurrent_records: self.0.concurrent_records,
+        }
+    }
+}
+
 #[async_trait]
-impl<S: OffsetStore> Mode<S> for Watermark {
-    type Unit = Offsets<S>;
+impl<S: WatermarkStore> Mode<S> for Watermark {
+    type Unit = Stored<S>;
 
     /// With [`WatermarkOptions::concurrent_records`], records of a partition
     /// may commit out of offset order: the watermark moves only to the
@@ -82,13 +104,8 @@ impl<S: OffsetStore> Mode<S> for Watermark {
         self.0.concurrent_records
     }
 
-    fn open(&self, consumer: &Consumer<S>, _careful: bool) -> Offsets<S> {
-        Offsets {
-            consumer: consumer.clone(),
-            dedup_keys: self.0.dedup_keys,
-            concurrent_records: self.0.concurrent_records,
-            tx: None,
-        }
+    fn open(&self, consumer: &Consumer<S>, _careful: bool) -> Stored<S> {
+        stored::records(consumer, self.records())
     }
 
     /// Without key dedup a record is identified by its position
@@ -130,31 +147,35 @@ impl<S: OffsetStore> Mode<S> for Watermark {
             return Ok(());
         };
         let inner = &*consumer.inner;
-        let store = &inner.store;
-        let name = inner.name.as_str();
-        if !tracked(contiguity_of(self.0.concurrent_records, acker)) {
-            return store
-                .advance_offset(name, at.topic, at.partition, at.offset)
-                .await;
-        }
-        let OffsetClaim::New(mut tx) = store
-            .claim_offset(name, at.topic, at.partition, at.offset, false)
-            .await?
-        else {
-            return Ok(());
-        };
         let key = at.key();
-        let req = position_claim(name, &key, inner.lease);
-        if let Err(e) = store.claim_key_in(&mut tx, &req).await {
-            if let Err(rollback) = store.rollback(tx).await {
-                tracing::warn!(consumer = name, error = %rollback, "rollback failed");
-            }
-            return Err(e);
+        let identity = position_claim(&inner.name, &key, inner.lease);
+        let concurrent = tracked(contiguity_of(self.0.concurrent_records, acker));
+        let claim = MemberClaim::Record(RecordClaim {
+            at: at.record(),
+            identity,
+            claim_key: false,
+            position: concurrent.then_some(identity),
+            skip_to: None,
+        });
+        let mut unit = inner
+            .store
+            .begin(UnitOptions::new(false, inner.lease, inner.in_flight));
+        let answers = unit.claim(std::slice::from_ref(&claim)).await?;
+        if !matches!(answers.first(), Some(Answer::New)) {
+            unit.abort().await;
+            return Ok(());
         }
-        let next = next_watermark(&at, acker.contiguity());
-        store
-            .commit_offset(tx, name, at.topic, at.partition, next, None)
-            .await
+        let watermark = if concurrent {
+            next_watermark(&at, acker.contiguity())
+        } else {
+            Some(at.offset.saturating_add(1))
+        };
+        let done = [Completion {
+            member: 0,
+            result: None,
+            watermark,
+        }];
+        unit.complete(&[claim], &done).await.map(|_| ())
     }
 }
 
@@ -172,150 +193,54 @@ fn position_claim<'a>(
     }
 }
 
-/// One record's offset claim and its transaction.
-pub(crate) struct Offsets<S: OffsetStore> {
-    consumer: Consumer<S>,
+/// How the members of a watermark unit claim their records.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Records {
     dedup_keys: bool,
     concurrent_records: bool,
-    tx: Option<S::Tx>,
 }
 
-impl<S: OffsetStore> Offsets<S> {
-    /// How the delivery's partition stands: as its source says when records
-    /// of a partition run concurrently, else in order.
-    fn contiguity(&self, acker: &dyn Acknowledger) -> Contiguity {
-        contiguity_of(self.concurrent_records, acker)
+impl Records {
+    /// Each member's position key, `topic-partition@offset` (empty without
+    /// a position).
+    pub(super) fn position_keys(&self, claims: &[Claimant<'_>]) -> Vec<String> {
+        claims
+            .iter()
+            .map(|c| position(c.meta).map(|at| at.key()).unwrap_or_default())
+            .collect()
     }
 
-    async fn rollback(&mut self) {
-        roll_back(&self.consumer, &mut self.tx).await;
-    }
-
-    /// Claims the offset (and the key); the answer for one record.
-    async fn claim_one(&mut self, claim: &Claimant<'_>) -> Result<Answer, StoreError> {
-        let inner = &*self.consumer.inner;
-        let consumer = inner.name.as_str();
-        let Some(at) = position(claim.meta) else {
-            return Err(StoreError::config(
-                "offset-watermark mode needs a topic, a partition and an offset",
-            ));
-        };
-        let contiguity = self.contiguity(claim.acker);
-        let applied = || {
-            Answer::Done(InboxRecord {
-                consumer: consumer.to_owned(),
-                key: claim.req.key.to_owned(),
-                fingerprint: claim.req.fingerprint.to_owned(),
-                result: None,
-                first_seen_ms: 0,
+    /// Each member's record claim; `positions` from [`position_keys`](Self::position_keys).
+    pub(super) fn claims<'a>(
+        &self,
+        claims: &'a [Claimant<'a>],
+        positions: &'a [String],
+    ) -> Result<Vec<MemberClaim<'a>>, StoreError> {
+        claims
+            .iter()
+            .zip(positions)
+            .map(|(c, key)| {
+                let at = position(c.meta).ok_or_else(|| {
+                    StoreError::config(
+                        "offset-watermark mode needs a topic, a partition and an offset",
+                    )
+                })?;
+                let contiguity = contiguity_of(self.concurrent_records, c.acker);
+                Ok(MemberClaim::Record(RecordClaim {
+                    at: at.record(),
+                    identity: c.req,
+                    claim_key: self.dedup_keys,
+                    position: tracked(contiguity)
+                        .then(|| position_claim(c.req.consumer, key, c.req.lease)),
+                    skip_to: next_watermark(&at, contiguity),
+                }))
             })
-        };
-        let mut tx = match inner
-            .store
-            .claim_offset(
-                consumer,
-                at.topic,
-                at.partition,
-                at.offset,
-                !tracked(contiguity),
-            )
-            .await?
-        {
-            OffsetClaim::New(tx) => tx,
-            OffsetClaim::Applied { .. } => return Ok(applied()),
-        };
-        if tracked(contiguity) {
-            // Above the watermark, a record committed out of order left its
-            // position row; a copy still in another transaction (a revoked
-            // owner's) makes this claim wait for its outcome.
-            let key = at.key();
-            let req = position_claim(consumer, &key, inner.lease);
-            let claimed = inner.store.claim_key_in(&mut tx, &req).await;
-            if !matches!(claimed, Ok(None)) {
-                if let Err(e) = inner.store.rollback(tx).await {
-                    tracing::warn!(consumer, error = %e, "rollback failed");
-                }
-                return claimed.map(|_| applied());
-            }
-        }
-        if self.dedup_keys {
-            match inner.store.claim_key_in(&mut tx, &claim.req).await {
-                Ok(None) => {}
-                Ok(Some(record)) => {
-                    // A producer retry (or a conflict): nothing to apply,
-                    // but the watermark moves past this record.
-                    let next = next_watermark(&at, self.contiguity(claim.acker));
-                    inner
-                        .store
-                        .commit_offset(tx, consumer, at.topic, at.partition, next, None)
-                        .await?;
-                    return Ok(Answer::Done(record));
-                }
-                Err(e) => {
-                    self.tx = Some(tx);
-                    self.rollback().await;
-                    return Err(e);
-                }
-            }
-        }
-        self.tx = Some(tx);
-        Ok(Answer::New)
-    }
-}
-
-#[async_trait]
-impl<S: OffsetStore> Unit<S> for Offsets<S> {
-    async fn claim(&mut self, claims: &[Claimant<'_>]) -> Result<Vec<Answer>, StoreError> {
-        let mut answers = Vec::with_capacity(claims.len());
-        for (n, claim) in claims.iter().enumerate() {
-            answers.push(if n == 0 {
-                self.claim_one(claim).await?
-            } else {
-                // A unit of one: more records would need a transaction each.
-                Answer::Busy("a unit of one claims one record".into())
-            });
-        }
-        Ok(answers)
+            .collect()
     }
 
-    fn tx(&mut self, _n: usize) -> Option<&mut S::Tx> {
-        self.tx.as_mut()
-    }
-
-    async fn undo(&mut self, _n: usize, _claim: &Claimant<'_>) -> Result<Undone, StoreError> {
-        self.rollback().await;
-        Ok(Undone::Member)
-    }
-
-    async fn complete(
-        mut self,
-        claims: &[Claimant<'_>],
-        done: &[(usize, Option<&serde_json::Value>)],
-    ) -> Result<Vec<bool>, StoreError> {
-        let held = self.tx.take();
-        let at = claims
-            .first()
-            .and_then(|claim| position(claim.meta).map(|at| (claim, at)));
-        match (done.first(), at, held) {
-            (Some(&(_, result)), Some((claim, at)), Some(tx)) => {
-                let inner = &*self.consumer.inner;
-                let keyed = self.dedup_keys.then_some((&claim.req, result));
-                let next = next_watermark(&at, self.contiguity(claim.acker));
-                inner
-                    .store
-                    .commit_offset(tx, &inner.name, at.topic, at.partition, next, keyed)
-                    .await?;
-                Ok(vec![true])
-            }
-            (_, _, held) => {
-                self.tx = held;
-                self.rollback().await;
-                Ok(Vec::new())
-            }
-        }
-    }
-
-    async fn abort(mut self) {
-        self.rollback().await;
+    /// Where the watermark moves when the member's record commits.
+    pub(super) fn watermark_after(&self, claim: &Claimant<'_>) -> Option<i64> {
+        let at = position(claim.meta)?;
+        next_watermark(&at, contiguity_of(self.concurrent_records, claim.acker))
     }
 }

@@ -50,7 +50,7 @@ pub const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 impl AmqpSource {
     /// Connects, declares the topology, sets the prefetch and starts consuming
     /// the work queue with manual acks.
-    /// Gives up after [`SETUP_TIMEOUT`]: a broker that accepts the TCP
+    /// Gives up after 30 s (`SETUP_TIMEOUT`): a broker that accepts the TCP
     /// connection but never finishes the handshake (one shutting down or
     /// still booting) must not hang the consumer.
     pub async fn connect(config: AmqpConfig) -> Result<Self, SourceError> {

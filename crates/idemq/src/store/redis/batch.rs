@@ -1,4 +1,4 @@
-//! Batch claims of the Redis lease store ([`LeaseBatchStore`]): the same
+//! Batch claims of the Redis lease store (behind its [`RedisUnit`](super::RedisUnit)): the same
 //! lease protocol as the per-key scripts, a whole batch per round trip.
 //!
 //! - **claim**: one Lua script over every key of the batch does, per key,
@@ -32,13 +32,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use futures_util::future::join_all;
 use redis::{RedisError, Script};
 
 use super::{done_value, map_err, millis, Conn, RedisConnection, RedisLease, RedisStore, Scripts};
 use crate::error::StoreErrorKind;
-use crate::store::{now_ms, Claim, LeaseBatchStore, LeaseCompletion, StoreError};
+use crate::store::{now_ms, Claim, StoreError};
+
+/// One held lease to complete in [`RedisStore::complete_leases`].
+#[derive(Debug)]
+pub(super) struct LeaseCompletion<'a> {
+    /// The lease, as [`RedisStore::claim_leases`] handed it out.
+    pub(super) lease: RedisLease,
+    /// The payload fingerprint stored with the key.
+    pub(super) fingerprint: &'a str,
+    /// The handler's result, stored with the key.
+    pub(super) result: Option<&'a serde_json::Value>,
+}
 
 /// KEYS: rec, fence per key. ARGV: token prefix, lease ms, now ms, fence TTL ms.
 const BATCH_CLAIM: &str = r#"
@@ -160,7 +170,7 @@ struct Held {
 /// The leases held by one batch of the Redis store (see the module docs):
 /// one heartbeat task for all of them; dropped while still holding leases
 /// (the batch was cancelled), it releases them at once.
-pub struct RedisLeaseGroup {
+pub(super) struct RedisLeaseGroup {
     conn: RedisConnection,
     scripts: Arc<Scripts>,
     lease: Duration,
@@ -387,11 +397,9 @@ fn new_lease(reply: &[String]) -> (u64, i64) {
     (fencing, first_seen)
 }
 
-#[async_trait]
-impl LeaseBatchStore for RedisStore {
-    type Leases = RedisLeaseGroup;
-
-    fn lease_group(&self, lease: Duration) -> RedisLeaseGroup {
+impl RedisStore {
+    /// An empty group whose leases last `lease` without a heartbeat.
+    pub(super) fn lease_group(&self, lease: Duration) -> RedisLeaseGroup {
         RedisLeaseGroup {
             conn: self.conn(),
             scripts: Arc::clone(&self.scripts),
@@ -401,7 +409,10 @@ impl LeaseBatchStore for RedisStore {
         }
     }
 
-    async fn claim_leases(
+    /// Claims every `(key, fingerprint)` of `consumer` in one round trip;
+    /// new leases join `group`. Answers in the order given; the keys must be
+    /// distinct.
+    pub(super) async fn claim_leases(
         &self,
         group: &mut RedisLeaseGroup,
         consumer: &str,
@@ -521,10 +532,14 @@ impl LeaseBatchStore for RedisStore {
         Ok(answers)
     }
 
-    async fn complete_leases(
+    /// Stops the group's heartbeat and, in one round trip, completes `done`
+    /// (compare-and-set on each lease's token, with the result and the
+    /// retention TTL) and releases `failed` (compare-and-delete). Answers,
+    /// per completion in order, whether it held.
+    pub(super) async fn complete_leases(
         &self,
         mut group: RedisLeaseGroup,
-        done: Vec<LeaseCompletion<'_, RedisLease>>,
+        done: Vec<LeaseCompletion<'_>>,
         failed: Vec<RedisLease>,
     ) -> Result<Vec<bool>, StoreError> {
         group.disarm();
@@ -587,7 +602,7 @@ impl RedisStore {
     /// then the consumer's index in one pipeline.
     async fn complete_per_key(
         &self,
-        done: &[LeaseCompletion<'_, RedisLease>],
+        done: &[LeaseCompletion<'_>],
         failed: &[RedisLease],
         retention: u64,
     ) -> Result<Vec<bool>, StoreError> {

@@ -131,12 +131,13 @@ mod options;
 mod records;
 mod scripts;
 mod store;
+mod unit;
 
-pub use batch::RedisLeaseGroup;
 pub use connection::RedisConnection;
 pub use lease::RedisLease;
 pub use options::RedisOptions;
 pub use store::RedisStore;
+pub use unit::RedisUnit;
 
 pub(crate) use connection::map_err;
 pub(crate) use options::Keys;

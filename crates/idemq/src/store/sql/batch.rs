@@ -1,4 +1,4 @@
-//! The batch and offset halves of [`SqlStore`]: many claims in one
+//! The statements behind [`SqlStore`]'s units of work: many claims in one
 //! transaction (savepoints isolate a failing member), and the per-partition
 //! offset watermark.
 
@@ -8,22 +8,45 @@ use super::database::{Bind, Column, SqlDatabase};
 use super::store::INBOX_COLUMNS;
 use super::{store_error, SqlStore};
 use crate::error::StoreError;
-use crate::store::{
-    now_ms, parse_result, BatchClaim, BatchStore, ClaimRequest, InboxRecord, OffsetClaim,
-    OffsetStore,
-};
+use crate::store::unit::WatermarkStore;
+use crate::store::{now_ms, parse_result, ClaimRequest, InboxRecord};
+
+/// One key's answer in a batch claim.
+#[derive(Debug)]
+pub(super) enum BatchClaim {
+    /// The key is new and now claimed in the batch's transaction.
+    New,
+    /// The key was processed before.
+    Done(InboxRecord),
+    /// The key exists but its row is not visible to this transaction yet
+    /// (another transaction is committing it).
+    Busy,
+}
+
+/// The answer to an offset claim.
+pub(super) enum OffsetClaim<Tx> {
+    /// The offset is at or past the watermark: apply it in this transaction.
+    New(Tx),
+    /// The offset is below the watermark: it was applied before.
+    Applied,
+}
+
+/// The open transaction a unit works in.
+pub(super) type Tx<DB> = sqlx::Transaction<'static, DB>;
 
 const SAVEPOINT: &str = "SAVEPOINT idemq_message";
 const RELEASE_SAVEPOINT: &str = "RELEASE SAVEPOINT idemq_message";
 const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idemq_message";
 
-#[async_trait::async_trait]
-impl<DB: SqlDatabase> BatchStore for SqlStore<DB> {
-    async fn claim_batch(
+impl<DB: SqlDatabase> SqlStore<DB> {
+    /// Opens a transaction and claims every `(key, fingerprint)` of
+    /// `consumer` in it, in one statement; answers in the order given. The
+    /// keys must be distinct.
+    pub(super) async fn claim_batch(
         &self,
         consumer: &str,
         claims: &[(&str, &str)],
-    ) -> Result<(Self::Tx, Vec<BatchClaim>), StoreError> {
+    ) -> Result<(Tx<DB>, Vec<BatchClaim>), StoreError> {
         let mut tx = self.pool.begin().await.map_err(store_error)?;
         if claims.is_empty() {
             return Ok((tx, Vec::new()));
@@ -100,23 +123,27 @@ impl<DB: SqlDatabase> BatchStore for SqlStore<DB> {
         Ok((tx, answers))
     }
 
-    async fn savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+    /// Marks the point one member's work can be rolled back to.
+    pub(super) async fn savepoint(&self, tx: &mut Tx<DB>) -> Result<(), StoreError> {
         DB::execute(tx, SAVEPOINT, &[])
             .await
             .map(|_| ())
             .map_err(store_error)
     }
 
-    async fn release_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+    /// Keeps one member's work (releases its savepoint).
+    pub(super) async fn release_savepoint(&self, tx: &mut Tx<DB>) -> Result<(), StoreError> {
         DB::execute(tx, RELEASE_SAVEPOINT, &[])
             .await
             .map(|_| ())
             .map_err(store_error)
     }
 
-    async fn rollback_message(
+    /// Undoes one member's work back to its savepoint and gives up its
+    /// claim, so that the redelivery can claim the key again.
+    pub(super) async fn rollback_message(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Tx<DB>,
         consumer: &str,
         key: &str,
     ) -> Result<(), StoreError> {
@@ -133,9 +160,11 @@ impl<DB: SqlDatabase> BatchStore for SqlStore<DB> {
             .map_err(store_error)
     }
 
-    async fn commit_batch(
+    /// Stores the results, clears the processed keys' failed attempts and
+    /// commits the batch.
+    pub(super) async fn commit_batch(
         &self,
-        mut tx: Self::Tx,
+        mut tx: Tx<DB>,
         consumer: &str,
         processed: &[(&str, Option<&serde_json::Value>)],
     ) -> Result<(), StoreError> {
@@ -162,7 +191,7 @@ impl<DB: SqlDatabase> SqlStore<DB> {
     /// its next offset, if it exists.
     async fn read_offset(
         &self,
-        tx: &mut DB::Connection,
+        tx: &mut Tx<DB>,
         consumer: &str,
         topic: &str,
         partition: i32,
@@ -188,16 +217,19 @@ impl<DB: SqlDatabase> SqlStore<DB> {
     }
 }
 
-#[async_trait::async_trait]
-impl<DB: SqlDatabase> OffsetStore for SqlStore<DB> {
-    async fn claim_offset(
+impl<DB: SqlDatabase> SqlStore<DB> {
+    /// Opens a transaction and answers whether `offset` is still to be
+    /// applied (below the partition's watermark it is not). With
+    /// `lock_partition` the transaction holds the partition's watermark row
+    /// until it ends.
+    pub(super) async fn claim_offset(
         &self,
         consumer: &str,
         topic: &str,
         partition: i32,
         offset: i64,
         lock_partition: bool,
-    ) -> Result<OffsetClaim<Self::Tx>, StoreError> {
+    ) -> Result<OffsetClaim<Tx<DB>>, StoreError> {
         let mut tx = self.pool.begin().await.map_err(store_error)?;
         // Read (and lock) the partition's row; only the first claim of a
         // partition ever finds none and creates it (one round trip per
@@ -230,14 +262,16 @@ impl<DB: SqlDatabase> OffsetStore for SqlStore<DB> {
         })?;
         if offset < next_offset {
             tx.rollback().await.map_err(store_error)?;
-            return Ok(OffsetClaim::Applied { next_offset });
+            return Ok(OffsetClaim::Applied);
         }
         Ok(OffsetClaim::New(tx))
     }
 
-    async fn claim_key_in(
+    /// Inside a unit's transaction, claims a key: `None` if it is new, else
+    /// its record.
+    pub(super) async fn claim_key_in(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Tx<DB>,
         req: &ClaimRequest<'_>,
     ) -> Result<Option<InboxRecord>, StoreError> {
         if self.insert_claim(tx, req).await? {
@@ -252,9 +286,11 @@ impl<DB: SqlDatabase> OffsetStore for SqlStore<DB> {
         })
     }
 
-    async fn commit_offset(
+    /// Moves the watermark to `next_offset` (never back; `None` leaves it),
+    /// stores the key's result if a key was claimed, and commits.
+    pub(super) async fn commit_offset(
         &self,
-        mut tx: Self::Tx,
+        mut tx: Tx<DB>,
         consumer: &str,
         topic: &str,
         partition: i32,
@@ -280,27 +316,10 @@ impl<DB: SqlDatabase> OffsetStore for SqlStore<DB> {
         }
         tx.commit().await.map_err(store_error)
     }
+}
 
-    async fn advance_offset(
-        &self,
-        consumer: &str,
-        topic: &str,
-        partition: i32,
-        offset: i64,
-    ) -> Result<(), StoreError> {
-        match self
-            .claim_offset(consumer, topic, partition, offset, true)
-            .await?
-        {
-            OffsetClaim::New(tx) => {
-                let next = Some(offset.saturating_add(1));
-                self.commit_offset(tx, consumer, topic, partition, next, None)
-                    .await
-            }
-            OffsetClaim::Applied { .. } => Ok(()),
-        }
-    }
-
+#[async_trait::async_trait]
+impl<DB: SqlDatabase> WatermarkStore for SqlStore<DB> {
     async fn watermark(
         &self,
         consumer: &str,

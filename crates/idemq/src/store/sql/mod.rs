@@ -18,6 +18,7 @@ mod journal;
 pub mod queries;
 mod rewind;
 mod store;
+mod unit;
 
 #[cfg(feature = "mysql")]
 pub mod mysql;
@@ -29,6 +30,7 @@ pub mod sqlite;
 pub use database::{Bind, Column, SqlDatabase, SqlRow};
 pub use queries::{BatchQueries, Dialect, Queries, Tables};
 pub use store::SqlStore;
+pub use unit::SqlUnit;
 
 use crate::error::{ConfigError, StoreError, StoreErrorKind};
 
