@@ -118,6 +118,11 @@ struct Promises {
     /// (JetStream's duplicate window, keyed by `Nats-Msg-Id`, which the
     /// publisher sets): the inbox never sees those copies.
     drops_republished_ids: bool,
+    /// One consumer gets the messages in publishing order while none fails
+    /// (on the [`ordered_url_for`] URL), so the first of two copies of a
+    /// business key is the one the engine's key lane runs first. (RocketMQ
+    /// spreads a topic over queues that its consumer reads concurrently.)
+    one_consumer_in_order: bool,
 }
 
 /// One row per broker of the registry.
@@ -129,6 +134,7 @@ const PROMISES: &[(&str, Promises)] = &[
             counts_redeliveries: false,
             delivers_once: false,
             drops_republished_ids: false,
+            one_consumer_in_order: true,
         },
     ),
     (
@@ -138,6 +144,7 @@ const PROMISES: &[(&str, Promises)] = &[
             counts_redeliveries: true,
             delivers_once: true,
             drops_republished_ids: false,
+            one_consumer_in_order: true,
         },
     ),
     (
@@ -147,6 +154,7 @@ const PROMISES: &[(&str, Promises)] = &[
             counts_redeliveries: true,
             delivers_once: true,
             drops_republished_ids: false,
+            one_consumer_in_order: true,
         },
     ),
     (
@@ -156,6 +164,7 @@ const PROMISES: &[(&str, Promises)] = &[
             counts_redeliveries: true,
             delivers_once: true,
             drops_republished_ids: true,
+            one_consumer_in_order: true,
         },
     ),
     (
@@ -165,6 +174,7 @@ const PROMISES: &[(&str, Promises)] = &[
             counts_redeliveries: true,
             delivers_once: true,
             drops_republished_ids: false,
+            one_consumer_in_order: true,
         },
     ),
     (
@@ -174,6 +184,7 @@ const PROMISES: &[(&str, Promises)] = &[
             counts_redeliveries: true,
             delivers_once: true,
             drops_republished_ids: false,
+            one_consumer_in_order: true,
         },
     ),
     (
@@ -183,6 +194,7 @@ const PROMISES: &[(&str, Promises)] = &[
             counts_redeliveries: false,
             delivers_once: false,
             drops_republished_ids: false,
+            one_consumer_in_order: false,
         },
     ),
 ];
@@ -746,6 +758,72 @@ async fn each_record_keys_order_where_the_broker_keeps_it(id: &str) {
     bench.remove().await;
 }
 
+/// Two copies of each business key with different amounts (a reused key),
+/// published one right after the other and consumed by one consumer at
+/// concurrency 64: each key is applied once and the other copy is the
+/// conflict's dead letter; where one consumer gets the messages in
+/// publishing order, the first copy is the one applied (issue 12's "0
+/// later-copy-wins" for the brokers).
+async fn the_first_copy_of_a_reused_key_wins(id: &str) {
+    const KEYS: usize = 60;
+    let ledger = Ledger::new().await;
+    let bench = Bench::at(id, ordered_url_for(id)).await;
+    let mut messages = Vec::new();
+    let mut expected = BTreeMap::new();
+    for k in 0..KEYS {
+        let key = format!("reused-{k}");
+        messages.push(payment(
+            &format!("first-{k}"),
+            &key,
+            1,
+            serde_json::json!({}),
+        ));
+        messages.push(payment(
+            &format!("second-{k}"),
+            &key,
+            2,
+            serde_json::json!({}),
+        ));
+        expected.insert(key, 1);
+    }
+    let outcomes = Tally::default();
+    let consumer = outcomes.build(
+        ledger
+            .consumer("conformance", Arc::default())
+            .concurrency(64),
+    );
+    let mut sources = bench.sources_with(1, &messages).await;
+    let run = start(&consumer, sources.remove(0));
+    ledger_complete(&ledger, &expected).await;
+    eventually(PATIENCE, "a conflict dead letter per key", || async {
+        ledger.dead_letters().await.len() >= KEYS
+    })
+    .await;
+    let summary = run.stop().await;
+
+    let name = bench.broker.name;
+    let keys: Vec<String> = expected.keys().cloned().collect();
+    assert_dead_lettered(
+        &ledger.dead_letters().await,
+        &keys,
+        &DeadLetterReason::Conflict,
+    );
+    if bench.promises.one_consumer_in_order {
+        ledger.assert_exactly_once(&expected).await;
+    } else {
+        let rows = ledger.rows().await;
+        assert_eq!(rows.len(), KEYS, "{name}: one effect per key: {rows:?}");
+        assert!(rows.iter().all(|(_, amount)| *amount == 1 || *amount == 2));
+    }
+    assert_eq!(
+        summary.count(OutcomeKind::Processed),
+        KEYS as u64,
+        "{name}: {summary}"
+    );
+    ledger.cleanup().await;
+    bench.remove().await;
+}
+
 /// The suite for each broker: `feature => module (registry id)`.
 macro_rules! conformance {
     ($($feature:literal => $module:ident ($id:literal)),* $(,)?) => {$(
@@ -769,6 +847,11 @@ macro_rules! conformance {
             #[tokio::test]
             async fn competing_consumers_apply_each_once() {
                 super::competing_consumers_apply_each_once($id).await;
+            }
+
+            #[tokio::test]
+            async fn the_first_copy_of_a_reused_key_wins() {
+                super::the_first_copy_of_a_reused_key_wins($id).await;
             }
 
             #[tokio::test]
