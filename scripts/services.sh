@@ -11,8 +11,10 @@
 #   redis      Redis      :6379, nothing kept on disk; TLS on :6380 with a
 #              local certificate ($IDEMQ_TOOLS/redis/root.crt)
 #   rabbitmq   RabbitMQ   :5672, guest/guest
-#   mosquitto  Mosquitto  :1883, anonymous
-#   nats       NATS       :4222 with JetStream
+#   mosquitto  Mosquitto  :1883, anonymous; a local certificate for the TLS
+#              brokers the tests start ($IDEMQ_TOOLS/mosquitto/root.crt)
+#   nats       NATS       :4222 with JetStream; a local certificate for the
+#              TLS servers the tests start ($IDEMQ_TOOLS/nats/root.crt)
 #
 #   scripts/services.sh                 # all of them
 #   scripts/services.sh postgres nats   # some of them
@@ -210,6 +212,10 @@ MQ_PID="$MQ_RUN/mosquitto.pid"
 MQ_LOG="$MQ_RUN/mosquitto.log"
 mq_answers() { port_open 127.0.0.1 1883; }
 start_mosquitto() {
+  # A certificate for the TLS brokers the tests start themselves; a client
+  # that verifies uses root.crt.
+  tls_cert "$MQ_RUN/tls" "$(id -un)" || return 1
+  cp -f "$MQ_RUN/tls/ca.crt" "$MQ_RUN/root.crt"
   mq_answers >/dev/null 2>&1 && return 0
   mkdir -p "$MQ_RUN"
   install -d -o mosquitto -g mosquitto /var/lib/mosquitto
@@ -234,6 +240,10 @@ NT_PID="$NT_RUN/nats.pid"
 NT_LOG="$NT_RUN/nats.log"
 nt_answers() { port_open 127.0.0.1 4222; }
 start_nats() {
+  # A certificate for the NATS servers the TLS tests start themselves (each
+  # with its own authorization); a client that verifies uses root.crt.
+  tls_cert "$NT_RUN/tls" "$(id -un)" || return 1
+  cp -f "$NT_RUN/tls/ca.crt" "$NT_RUN/root.crt"
   nt_answers >/dev/null 2>&1 && return 0
   mkdir -p "$NT_RUN/jetstream"
   spawn_unless_alive "services: NATS with JetStream" "$NT_PID" "$NT_LOG" \

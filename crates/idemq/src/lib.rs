@@ -68,6 +68,8 @@ pub mod retention;
 pub mod source;
 pub mod store;
 pub mod template;
+#[cfg(any(feature = "redis", feature = "redis-streams", feature = "nats"))]
+mod tls;
 
 pub use effect::{idempotency_key, EffectJournal};
 pub use engine::{handler_fn, layers, Consumer, ConsumerBuilder, Context, Handler, HandlerResult};

@@ -12,7 +12,7 @@ pub const CACERT_PARAM: &str = "cacert";
 
 /// A client for `url`; the error never shows a secret of the URL.
 pub fn client(url: &str) -> Result<Client, String> {
-    ensure_crypto_provider();
+    crate::tls::ensure_crypto_provider();
     let bad = |e: &dyn std::fmt::Display| format!("bad Redis URL {:?}: {e}", redact_url(url));
     let (url, cacert) = take_param(url, CACERT_PARAM);
     let Some(path) = cacert else {
@@ -43,17 +43,6 @@ pub(crate) fn encode_param(value: &str) -> String {
         }
     }
     out
-}
-
-/// redis-rs builds its TLS configuration on rustls's process-wide crypto
-/// provider, which rustls cannot pick by itself when more than one is
-/// compiled into the program (sqlx brings ring, the AWS SDK aws-lc-rs):
-/// install ring unless the application installed one already.
-fn ensure_crypto_provider() {
-    if rustls::crypto::CryptoProvider::get_default().is_none() {
-        // Losing a race with another installer is fine: one is installed.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-    }
 }
 
 /// `url` without its query parameter `name`, and that parameter's value

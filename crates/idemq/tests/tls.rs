@@ -6,7 +6,10 @@
 //! consumer exactly once on connections the server reports as encrypted. A
 //! server certificate that does not verify is refused with a configuration
 //! error; without TLS the same check reports a plain connection. The Redis
-//! store over `rediss://` with `cacert` on the local Redis's TLS port.
+//! store over `rediss://` with `cacert` on the local Redis's TLS port; Redis
+//! Streams with `cacert`; NATS JetStream over TLS with a password, an nkey
+//! or a token, against `nats-server`s this file starts with the local
+//! certificate (`$IDEMQ_TOOLS/nats/root.crt`).
 #![cfg(all(feature = "postgres", feature = "mysql"))]
 
 mod support;
@@ -57,7 +60,7 @@ fn mariadb_verified(ca: &str) -> String {
 type Calls = Arc<std::sync::Mutex<std::collections::HashMap<String, u32>>>;
 
 /// A handler over lease `Tx` that counts its calls per key in `calls`.
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "nats", feature = "mqtt"))]
 fn counting<Tx: Send + 'static>(calls: &Calls) -> impl idemq::Handler<Tx> {
     let calls = Arc::clone(calls);
     handler_fn(move |ctx, _lease: &mut Tx| {
@@ -67,7 +70,7 @@ fn counting<Tx: Send + 'static>(calls: &Calls) -> impl idemq::Handler<Tx> {
 }
 
 /// Every one of `expected` keys was handled, each exactly once.
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "nats", feature = "mqtt"))]
 fn assert_each_once(calls: &Calls, expected: usize) {
     let calls = calls.lock().unwrap();
     assert_eq!(calls.len(), expected, "{calls:?}");
@@ -284,4 +287,263 @@ async fn redis_streams_over_tls_delivers_each_payment_once() {
     .await;
     assert_each_once(&calls, expected);
     (broker.remove)(&url).await.expect("remove the stream");
+}
+
+/// A broker process this file starts on a free loopback port, with its
+/// files in a temporary directory; killed when dropped.
+#[cfg(any(feature = "nats", feature = "mqtt"))]
+struct Spawned {
+    child: std::process::Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+#[cfg(any(feature = "nats", feature = "mqtt"))]
+impl Spawned {
+    /// A free port and a directory for a broker about to start.
+    fn prepare() -> (u16, tempfile::TempDir) {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        (port, tempfile::tempdir().expect("a temporary directory"))
+    }
+
+    /// Runs `program` with `args` and waits until it listens on `port`.
+    async fn start(
+        program: &str,
+        args: &[&std::ffi::OsStr],
+        port: u16,
+        dir: tempfile::TempDir,
+    ) -> Self {
+        let child = std::process::Command::new(program)
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {program} (scripts/services.sh installs it): {e}"));
+        let spawned = Self {
+            child,
+            port,
+            _dir: dir,
+        };
+        let started = std::time::Instant::now();
+        while tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "{program} did not start"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        spawned
+    }
+}
+
+#[cfg(any(feature = "nats", feature = "mqtt"))]
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The local certificate and key made for `service` by the scripts.
+#[cfg(any(feature = "nats", feature = "mqtt"))]
+fn server_cert(service: &str) -> (PathBuf, PathBuf) {
+    let tls = tools().join(service).join("tls");
+    assert!(
+        tls.join("server.crt").exists(),
+        "{} is missing: run scripts/services.sh",
+        tls.display()
+    );
+    (tls.join("server.crt"), tls.join("server.key"))
+}
+
+/// A `nats-server` with JetStream serving TLS with the local certificate
+/// and the given `authorization { … }` block.
+#[cfg(feature = "nats")]
+async fn nats_server(authorization: &str) -> Spawned {
+    let (cert, key) = server_cert("nats");
+    let (port, dir) = Spawned::prepare();
+    let conf = dir.path().join("nats.conf");
+    let text = format!(
+        "listen: 127.0.0.1:{port}\n\
+         jetstream {{ store_dir: \"{store}\" }}\n\
+         tls {{ cert_file: \"{cert}\", key_file: \"{key}\" }}\n\
+         authorization {{ {authorization} }}\n",
+        store = dir.path().join("js").display(),
+        cert = cert.display(),
+        key = key.display(),
+    );
+    std::fs::write(&conf, text).expect("write nats.conf");
+    Spawned::start("nats-server", &["-c".as_ref(), conf.as_os_str()], port, dir).await
+}
+
+/// A `nats://` URL of a fresh stream on `server`, with `auth` before the
+/// host and `params` after the stream's own.
+#[cfg(feature = "nats")]
+fn nats_url(server: &Spawned, auth: &str, params: &str) -> String {
+    let run = support::unique("tls");
+    format!(
+        "nats://{auth}localhost:{}/{run}/{run}_c?subject={run}.in&create=true&wait=1s{params}",
+        server.port
+    )
+}
+
+/// Duplicated payments published and consumed over broker `url`, each
+/// handled once; what the URL created is removed.
+#[cfg(any(feature = "nats", feature = "mqtt"))]
+async fn tls_round(url: &str) {
+    use idemq::source::registry;
+    use idemq::store::memory::{Lease, MemoryStore};
+
+    let broker = registry::lookup(url)
+        .unwrap()
+        .expect("the broker is registered");
+    let open_source = || async {
+        (broker.open_source)(url)
+            .await
+            .unwrap_or_else(|e| panic!("source on {url}: {e}"))
+    };
+    // Subscribe first where the broker keeps only what arrives afterwards.
+    let early = if broker.subscribe_before_publish {
+        Some(open_source().await)
+    } else {
+        None
+    };
+    let publisher = (broker.open_publisher)(url)
+        .await
+        .unwrap_or_else(|e| panic!("publisher on {url}: {e}"));
+    let w = workload(12, 0);
+    support::publish_all(&*publisher, &w.messages).await;
+    let source = match early {
+        Some(source) => source,
+        None => open_source().await,
+    };
+    let calls = Calls::default();
+    let consumer = Consumer::builder("tls", MemoryStore::new())
+        .key(KeySpec::json("/payment_id"))
+        .handler(counting::<Lease>(&calls))
+        .build()
+        .unwrap();
+    let expected = w.expected.len();
+    support::run_until(&consumer, source, Duration::from_secs(30), || {
+        calls.lock().unwrap().len() == expected
+    })
+    .await;
+    assert_each_once(&calls, expected);
+    (broker.remove)(url)
+        .await
+        .expect("remove what the URL created");
+}
+
+/// Opening a source on `url` fails with a configuration error that does not
+/// show `secret`.
+#[cfg(any(feature = "nats", feature = "mqtt"))]
+async fn assert_refused(url: &str, secret: &str) {
+    let broker = idemq::source::registry::lookup(url).unwrap().unwrap();
+    let err = match (broker.open_source)(url).await {
+        Ok(_) => panic!("{secret}: connected"),
+        Err(e) => e,
+    };
+    assert_eq!(err.kind(), idemq::SourceErrorKind::Config, "{err}");
+    assert!(!format!("{err} {err:?}").contains(secret), "{err:?}");
+}
+
+/// NATS over TLS with each kind of credential the NATS tools take — a user
+/// and password, an nkey seed file, a token — verified against the local
+/// CA: every payment handled once. A wrong password, an unknown CA and a
+/// wrong token are configuration errors that do not show the secret.
+#[cfg(feature = "nats")]
+#[tokio::test]
+async fn nats_over_tls_with_a_password_an_nkey_or_a_token_delivers_once() {
+    let ca = format!("&tls=true&cacert={}", root_cert("nats"));
+    let user = nkeys::KeyPair::new_user();
+    let seed_dir = tempfile::tempdir().unwrap();
+    let seed_file = seed_dir.path().join("user.nk");
+    std::fs::write(&seed_file, user.seed().unwrap()).unwrap();
+    let users = nats_server(&format!(
+        "users = [ {{ user: idemq, password: \"pw-s3cret\" }}, {{ nkey: {} }} ]",
+        user.public_key()
+    ))
+    .await;
+    tls_round(&nats_url(&users, "idemq:pw-s3cret@", &ca)).await;
+    tls_round(&nats_url(
+        &users,
+        "",
+        &format!("{ca}&nkey={}", seed_file.display()),
+    ))
+    .await;
+
+    assert_refused(
+        &nats_url(&users, "idemq:wrong-s3cret@", &ca),
+        "wrong-s3cret",
+    )
+    .await;
+    let foreign_ca = format!("&tls=true&cacert={}", root_cert("redis"));
+    assert_refused(
+        &nats_url(&users, "idemq:pw-s3cret@", &foreign_ca),
+        "pw-s3cret",
+    )
+    .await;
+    drop(users);
+
+    let token = nats_server("token: \"tok-s3cret\"").await;
+    tls_round(&nats_url(&token, "tok-s3cret@", &ca)).await;
+    assert_refused(&nats_url(&token, "tok-wrong@", &ca), "tok-wrong").await;
+}
+
+/// A Mosquitto with one TLS listener (the local certificate) that takes
+/// only user `idemq` with password `pw-s3cret`.
+#[cfg(feature = "mqtt")]
+async fn mosquitto_tls() -> Spawned {
+    let (cert, key) = server_cert("mosquitto");
+    let (port, dir) = Spawned::prepare();
+    let passwords = dir.path().join("passwords");
+    let made = std::process::Command::new("mosquitto_passwd")
+        .args(["-b", "-c"])
+        .arg(&passwords)
+        .args(["idemq", "pw-s3cret"])
+        .status()
+        .expect("run mosquitto_passwd");
+    assert!(made.success(), "mosquitto_passwd failed");
+    let user = std::env::var("USER").unwrap_or_else(|_| "root".into());
+    let conf = dir.path().join("mosquitto.conf");
+    let text = format!(
+        "listener {port} 127.0.0.1\n\
+         certfile {cert}\n\
+         keyfile {key}\n\
+         allow_anonymous false\n\
+         password_file {passwords}\n\
+         persistence false\n\
+         user {user}\n",
+        cert = cert.display(),
+        key = key.display(),
+        passwords = passwords.display(),
+    );
+    std::fs::write(&conf, text).expect("write mosquitto.conf");
+    Spawned::start("mosquitto", &["-c".as_ref(), conf.as_os_str()], port, dir).await
+}
+
+/// MQTT over TLS (`mqtts://` with `cacert`) with a user and password:
+/// every payment handled once. A wrong password and an unknown CA are
+/// configuration errors that do not show the secret.
+#[cfg(feature = "mqtt")]
+#[tokio::test]
+async fn mqtts_with_a_password_delivers_once() {
+    let broker = mosquitto_tls().await;
+    let url = |auth: &str, ca: &str| {
+        let run = support::unique("tls");
+        format!(
+            "mqtts://{auth}localhost:{}/{run}/orders?client_id={run}&cacert={ca}",
+            broker.port
+        )
+    };
+    let ca = root_cert("mosquitto");
+    tls_round(&url("idemq:pw-s3cret@", &ca)).await;
+    assert_refused(&url("idemq:wrong-s3cret@", &ca), "wrong-s3cret").await;
+    assert_refused(&url("idemq:pw-s3cret@", &root_cert("redis")), "pw-s3cret").await;
 }

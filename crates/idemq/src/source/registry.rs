@@ -147,7 +147,7 @@ pub const REGISTRY: &[Entry] = &[
         "Redis Streams",
         ["redis-stream"]
     ),
-    entry!("mqtt", mqtt, "MQTT", ["mqtt"]),
+    entry!("mqtt", mqtt, "MQTT", ["mqtt", "mqtts"]),
     entry!("rocketmq", rocketmq, "Apache RocketMQ", ["rocketmq"]),
 ];
 

@@ -1,8 +1,11 @@
 //! [`MqttConfig`]: the settings, parsed from a URL, and the `rumqttc` client options.
 
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rumqttc::v5::MqttOptions;
+use rumqttc::{TlsConfiguration, Transport};
 
 use super::link::CONNECT_TIMEOUT;
 #[cfg(doc)]
@@ -34,6 +37,14 @@ pub struct MqttConfig {
     pub dead_letter_topic: Option<String>,
     /// Username and password, if the broker requires them.
     pub credentials: Option<(String, String)>,
+    /// Connect over TLS (an `mqtts://` URL; default port 8883).
+    pub tls: bool,
+    /// A PEM file of the certificate authority that signed the broker's
+    /// certificate (`cacert=PATH`, as `mosquitto_sub --cafile`); Mozilla's
+    /// roots otherwise.
+    pub ca_file: Option<PathBuf>,
+    /// A client certificate and its key, PEM files (`cert=PATH&key=PATH`).
+    pub client_cert: Option<(PathBuf, PathBuf)>,
 }
 
 impl std::fmt::Debug for MqttConfig {
@@ -47,6 +58,9 @@ impl std::fmt::Debug for MqttConfig {
             .field("session_expiry", &self.session_expiry)
             .field("dead_letter_topic", &self.dead_letter_topic)
             .field("credentials", &self.credentials.as_ref().map(|(u, _)| u))
+            .field("tls", &self.tls)
+            .field("ca_file", &self.ca_file)
+            .field("client_cert", &self.client_cert)
             .finish()
     }
 }
@@ -68,6 +82,9 @@ impl MqttConfig {
             session_expiry: Duration::from_secs(86_400),
             dead_letter_topic: None,
             credentials: None,
+            tls: false,
+            ca_file: None,
+            client_cert: None,
         }
     }
 
@@ -78,12 +95,20 @@ impl MqttConfig {
     /// and `+` included (they may also be written `%23` and `%2B`).
     /// `client_id` is required; only `qos=1` is supported. Durations take a
     /// unit (`ms`, `s`, `m`, `h`; a bare number is seconds).
+    ///
+    /// `mqtts://` connects over TLS (port 8883 by default), verifying the
+    /// broker against Mozilla's roots or the CA file in `cacert=PATH`, with
+    /// a client certificate from `cert=PATH&key=PATH` if given.
     pub fn from_url(url: &str) -> Result<Self, SourceError> {
-        let u = BrokerUrl::parse("MQTT", "mqtt", url)?;
+        let tls = url.starts_with("mqtts://");
+        let scheme = if tls { "mqtts" } else { "mqtt" };
+        let u = BrokerUrl::parse("MQTT", scheme, url)?;
         u.require_path("topic")?;
-        let (host, port) = u.host_port(1883)?;
+        let (host, port) = u.host_port(if tls { 8883 } else { 1883 })?;
         let mut config = Self::new(host, port, u.decoded_path()?, "");
         config.credentials.clone_from(&u.userinfo);
+        config.tls = tls;
+        let (mut cert, mut key) = (None, None);
         for p in u.params() {
             match p.name.as_str() {
                 "client_id" => config.client_id = p.value,
@@ -93,9 +118,20 @@ impl MqttConfig {
                 "keep_alive" => config.keep_alive = p.duration(Bare::Seconds)?,
                 "session_expiry" => config.session_expiry = p.duration(Bare::Seconds)?,
                 "dead_letter_topic" => config.dead_letter_topic = Some(p.value),
+                "cacert" if tls => config.ca_file = p.non_empty().map(PathBuf::from),
+                "cert" if tls => cert = p.non_empty().map(PathBuf::from),
+                "key" if tls => key = p.non_empty().map(PathBuf::from),
+                "cacert" | "cert" | "key" => {
+                    return Err(p.error("TLS settings need an mqtts:// URL"))
+                }
                 _ => return Err(p.unknown()),
             }
         }
+        config.client_cert = match (cert, key) {
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (None, None) => None,
+            _ => return Err(u.error("a client certificate needs both cert= and key=")),
+        };
         if config.client_id.is_empty() {
             return Err(u.missing("client_id"));
         }
@@ -138,7 +174,56 @@ impl MqttConfig {
         Ok(())
     }
 
-    pub(super) fn options(&self, client_id: &str, persistent: bool) -> MqttOptions {
+    /// The rustls settings of an `mqtts://` connection (ring, the CA file
+    /// or Mozilla's roots, the client certificate).
+    fn tls_configuration(&self) -> Result<TlsConfiguration, SourceError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+        let unreadable = |what: &str, path: &std::path::Path, e: &dyn std::fmt::Display| {
+            SourceError::config(format!("MQTT: reading the {what} {}: {e}", path.display()))
+        };
+        let certs =
+            |path: &PathBuf, what: &str| -> Result<Vec<CertificateDer<'static>>, SourceError> {
+                CertificateDer::pem_file_iter(path)
+                    .and_then(Iterator::collect)
+                    .map_err(|e| unreadable(what, path, &e))
+            };
+        let mut roots = rustls::RootCertStore::empty();
+        match &self.ca_file {
+            Some(path) => {
+                for cert in certs(path, "CA file")? {
+                    roots
+                        .add(cert)
+                        .map_err(|e| unreadable("CA file", path, &e))?;
+                }
+            }
+            None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| SourceError::config(format!("MQTT: TLS setup: {e}")))?
+            .with_root_certificates(roots);
+        let config = match &self.client_cert {
+            Some((cert, key)) => {
+                let chain = certs(cert, "client certificate")?;
+                let key = PrivateKeyDer::from_pem_file(key)
+                    .map_err(|e| unreadable("client key", key, &e))?;
+                builder.with_client_auth_cert(chain, key).map_err(|e| {
+                    SourceError::config(format!("MQTT: the client certificate: {e}"))
+                })?
+            }
+            None => builder.with_no_client_auth(),
+        };
+        Ok(TlsConfiguration::Rustls(Arc::new(config)))
+    }
+
+    pub(super) fn options(
+        &self,
+        client_id: &str,
+        persistent: bool,
+    ) -> Result<MqttOptions, SourceError> {
         let mut options = MqttOptions::new(client_id, self.host.clone(), self.port);
         options.set_keep_alive(self.keep_alive);
         options.set_manual_acks(true);
@@ -154,7 +239,10 @@ impl MqttConfig {
         if let Some((user, password)) = &self.credentials {
             options.set_credentials(user.clone(), password.clone());
         }
-        options
+        if self.tls {
+            options.set_transport(Transport::tls_with_config(self.tls_configuration()?));
+        }
+        Ok(options)
     }
 }
 
@@ -171,6 +259,25 @@ pub(super) fn validate_publish_topic(topic: &str) -> Result<(), SourceError> {
 mod tests {
     use super::*;
     use crate::error::SourceErrorKind;
+
+    #[test]
+    fn parses_mqtts_urls() {
+        let c = MqttConfig::from_url(
+            "mqtts://u:pw@h/t?client_id=c&cacert=/ca.pem&cert=/c.pem&key=/k.pem",
+        )
+        .unwrap();
+        assert!(c.tls);
+        assert_eq!(c.port, 8883);
+        assert_eq!(c.ca_file, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(
+            c.client_cert,
+            Some((PathBuf::from("/c.pem"), PathBuf::from("/k.pem")))
+        );
+        let plain = MqttConfig::from_url("mqtt://h/t?client_id=c&cacert=/ca.pem").unwrap_err();
+        assert_eq!(plain.kind(), SourceErrorKind::Config);
+        let half = MqttConfig::from_url("mqtts://h/t?client_id=c&key=/k.pem").unwrap_err();
+        assert_eq!(half.kind(), SourceErrorKind::Config);
+    }
 
     #[test]
     fn parses_urls() {

@@ -272,6 +272,22 @@ async fn drive(
     }
 }
 
+/// A failed connection: refused credentials and a TLS setup or handshake
+/// that fails (an unknown CA, a server without TLS) are configuration
+/// errors, which no retry fixes; the rest are the broker's.
 fn connection_error(e: &ConnectionError) -> SourceError {
-    broker_error("connect", e.to_string())
+    use rumqttc::v5::mqttbytes::v5::ConnectReturnCode as Code;
+    let refused_for_good = match e {
+        ConnectionError::ConnectionRefused(
+            Code::BadUserNamePassword | Code::NotAuthorized | Code::BadAuthenticationMethod,
+        ) => true,
+        ConnectionError::Tls(_) => true,
+        ConnectionError::Io(io) => io.kind() == std::io::ErrorKind::InvalidData,
+        _ => false,
+    };
+    if refused_for_good {
+        SourceError::config(format!("MQTT: connect: {e}"))
+    } else {
+        broker_error("connect", e.to_string())
+    }
 }

@@ -36,7 +36,7 @@ impl MqttPublisher {
     pub async fn connect(config: &MqttConfig) -> Result<Self, SourceError> {
         validate_publish_topic(&config.topic)?;
         let client_id = format!("{}-pub-{:08x}", config.client_id, fastrand::u32(..));
-        let link = open(config.options(&client_id, false), None).await?;
+        let link = open(config.options(&client_id, false)?, None).await?;
         Ok(Self {
             link,
             topic: config.topic.clone(),

@@ -6,9 +6,9 @@ use crate::source::kit::{BrokerConfig, ConnectWith};
 use crate::source::registry::Broker;
 use crate::source::url::{competing_with, set_param, with_default_param};
 
-/// MQTT: how `mqtt://` URLs open.
+/// MQTT: how `mqtt://` and `mqtts://` URLs open.
 pub const BROKER: Broker =
-    Broker::of::<MqttConfig, MqttSource, MqttPublisher>("mqtt", "MQTT", &["mqtt"])
+    Broker::of::<MqttConfig, MqttSource, MqttPublisher>("mqtt", "MQTT", &["mqtt", "mqtts"])
         .with_subscribe_before_publish()
         .with_competing_url(competing_url);
 

@@ -54,7 +54,7 @@ impl MqttSource {
         config.validate()?;
         let (tx, rx) = mpsc::unbounded_channel();
         let link = open(
-            config.options(&config.client_id, true),
+            config.options(&config.client_id, true)?,
             Some(Subscription {
                 filter: config.topic.clone(),
                 deliveries: tx.clone(),

@@ -1,5 +1,6 @@
 //! The configuration: [`NatsConfig`], its URL form, and NATS names and subjects.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -41,6 +42,17 @@ pub struct NatsConfig {
     pub duplicate_window: Option<Duration>,
     /// Create the stream (and the consumer, and a dead-letter stream) if missing.
     pub create: bool,
+    /// Require TLS (`tls=true`; a `tls://` server requires it too).
+    pub tls: bool,
+    /// A PEM file of the certificate authority that signed the server's
+    /// certificate (`cacert=PATH`), for a private CA.
+    pub ca_file: Option<PathBuf>,
+    /// A client certificate and its key, PEM files (`cert=PATH&key=PATH`),
+    /// for servers that verify their clients.
+    pub client_cert: Option<(PathBuf, PathBuf)>,
+    /// A file holding an nkey seed (`nkey=PATH`, as `nats --nkey`): the
+    /// client signs the server's nonce with it.
+    pub nkey_file: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for NatsConfig {
@@ -57,6 +69,10 @@ impl std::fmt::Debug for NatsConfig {
             .field("dead_letter_subject", &self.dead_letter_subject)
             .field("duplicate_window", &self.duplicate_window)
             .field("create", &self.create)
+            .field("tls", &self.tls)
+            .field("ca_file", &self.ca_file)
+            .field("client_cert", &self.client_cert)
+            .field("nkey_file", &self.nkey_file)
             .finish()
     }
 }
@@ -78,11 +94,20 @@ impl NatsConfig {
             dead_letter_subject: None,
             duplicate_window: None,
             create: false,
+            tls: false,
+            ca_file: None,
+            client_cert: None,
+            nkey_file: None,
         }
     }
 
     /// Parses
     /// `nats://[user:password@]host:port/STREAM/CONSUMER?subject=…&ack_wait=30s&max_deliver=10&batch=10&wait=5s&dlq_subject=…&duplicate_window=2m&create=true`.
+    ///
+    /// Authentication as the NATS tools write it: `user:password@` in the
+    /// URL, or a token alone as the user (`nats://TOKEN@host`), or
+    /// `nkey=PATH` (a seed file). TLS: `tls=true`, with `cacert=PATH` for a
+    /// private CA and `cert=PATH&key=PATH` for a client certificate.
     ///
     /// Durations are a number with `ms`, `s`, `m` or `h` (a bare number is
     /// seconds). Values may be percent-encoded (`orders.%3E` for `orders.>`;
@@ -98,6 +123,7 @@ impl NatsConfig {
             .map_err(|_| u.error(format!("the path {path:?} must be STREAM/CONSUMER")))?;
         let mut config = NatsConfig::new(stream, consumer);
         config.server = format!("nats://{}", u.authority);
+        let (mut cert, mut key) = (None, None);
         for p in u.params() {
             match p.name.as_str() {
                 "subject" => config.subject = p.non_empty(),
@@ -120,9 +146,19 @@ impl NatsConfig {
                 "dlq_subject" => config.dead_letter_subject = p.non_empty(),
                 "duplicate_window" => config.duplicate_window = Some(p.duration(Bare::Seconds)?),
                 "create" => config.create = p.flag()?,
+                "tls" => config.tls = p.flag()?,
+                "cacert" => config.ca_file = p.non_empty().map(PathBuf::from),
+                "cert" => cert = p.non_empty().map(PathBuf::from),
+                "key" => key = p.non_empty().map(PathBuf::from),
+                "nkey" => config.nkey_file = p.non_empty().map(PathBuf::from),
                 _ => return Err(p.unknown()),
             }
         }
+        config.client_cert = match (cert, key) {
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (None, None) => None,
+            _ => return Err(u.error("a client certificate needs both cert= and key=")),
+        };
         config.validate()?;
         Ok(config)
     }
@@ -178,6 +214,26 @@ impl NatsConfig {
     /// Whether to create a missing stream, consumer and dead-letter stream.
     pub fn create(mut self, create: bool) -> Self {
         self.create = create;
+        self
+    }
+
+    /// Requires TLS, verifying the server against the CA in `ca_file` (a
+    /// PEM file) when given.
+    pub fn tls(mut self, ca_file: Option<PathBuf>) -> Self {
+        self.tls = true;
+        self.ca_file = ca_file;
+        self
+    }
+
+    /// Presents a client certificate (PEM files of the certificate and its key).
+    pub fn client_cert(mut self, cert: PathBuf, key: PathBuf) -> Self {
+        self.client_cert = Some((cert, key));
+        self
+    }
+
+    /// Authenticates with the nkey seed in `path`.
+    pub fn nkey_file(mut self, path: PathBuf) -> Self {
+        self.nkey_file = Some(path);
         self
     }
 
@@ -246,14 +302,61 @@ impl NatsConfig {
         Ok(())
     }
 
+    /// The client options: the credentials and TLS settings, and the
+    /// server URL without its user info (which the client would ignore).
+    async fn connect_options(&self) -> Result<(async_nats::ConnectOptions, String), SourceError> {
+        let mut options =
+            async_nats::ConnectOptions::new().connection_timeout(Duration::from_secs(10));
+        let (scheme, rest) = self
+            .server
+            .split_once("://")
+            .ok_or_else(|| SourceError::config("the NATS server URL has no scheme"))?;
+        let mut server = self.server.clone();
+        if let Some((userinfo, hosts)) = rest.rsplit_once('@') {
+            let (user, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
+            let decoded = |part: &str| {
+                crate::source::url::decode(part).map_err(|why| {
+                    SourceError::config(format!("the NATS server URL's user info: {why}"))
+                })
+            };
+            let (user, password) = (decoded(user)?, decoded(password)?);
+            options = if password.is_empty() {
+                options.token(user)
+            } else {
+                options.user_and_password(user, password)
+            };
+            server = format!("{scheme}://{hosts}");
+        }
+        if let Some(path) = &self.nkey_file {
+            let seed = tokio::fs::read_to_string(path).await.map_err(|e| {
+                SourceError::config(format!(
+                    "reading the nkey seed file {}: {e}",
+                    path.display()
+                ))
+            })?;
+            options = options.nkey(seed.trim().to_owned());
+        }
+        if self.tls {
+            options = options.require_tls(true);
+        }
+        if let Some(ca) = &self.ca_file {
+            options = options.add_root_certificates(ca.clone());
+        }
+        if let Some((cert, key)) = &self.client_cert {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
+        Ok((options, server))
+    }
+
     /// Connects to the server and returns a JetStream context.
     pub async fn jetstream(&self) -> Result<jetstream::Context, SourceError> {
         self.validate()?;
-        let client = async_nats::ConnectOptions::new()
-            .connection_timeout(Duration::from_secs(10))
-            .connect(self.server.as_str())
+        crate::tls::ensure_crypto_provider();
+        let (options, server) = self.connect_options().await?;
+        let client = options
+            .connect(server.as_str())
             .await
-            .map_err(|e| broker_error(&format!("connecting to {}", redact(&self.server)), e))?;
+            .map_err(|e| connect_error(&self.server, e))?;
         Ok(jetstream::new(client))
     }
 
@@ -309,6 +412,35 @@ impl NatsConfig {
 
 pub(super) fn broker_error(what: &str, err: impl Into<crate::error::BoxError>) -> SourceError {
     crate::source::kit::broker_error("NATS", what, err)
+}
+
+/// A failed connection: refused credentials and a TLS handshake that fails
+/// (an unknown CA, a server without TLS) are configuration errors, which no
+/// retry fixes; the rest are the broker's. The server URL is shown redacted.
+fn connect_error(server: &str, err: async_nats::ConnectError) -> SourceError {
+    use async_nats::ConnectErrorKind as Kind;
+    let what = format!("connecting to {}", redact(server));
+    // A certificate the handshake refused reaches us as an I/O error with
+    // invalid data (rustls's verdict) underneath.
+    let bad_certificate = || {
+        let mut cause = std::error::Error::source(&err);
+        while let Some(e) = cause {
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                return io.kind() == std::io::ErrorKind::InvalidData;
+            }
+            cause = e.source();
+        }
+        false
+    };
+    match err.kind() {
+        Kind::Authentication | Kind::AuthorizationViolation | Kind::Tls => {
+            SourceError::config(format!("NATS: {what}: {err}")).with_source(err)
+        }
+        Kind::Io if bad_certificate() => {
+            SourceError::config(format!("NATS: {what}: {err}")).with_source(err)
+        }
+        _ => broker_error(&what, err),
+    }
 }
 
 /// Stream and consumer names: 1 to 255 printable characters without
@@ -376,6 +508,24 @@ mod tests {
     use super::*;
     use crate::error::SourceErrorKind;
     use crate::source::url::parse_duration;
+
+    #[test]
+    fn parses_tls_and_credentials() {
+        let c = NatsConfig::from_url(
+            "nats://tok@h:4222/S/C?tls=true&cacert=/ca.pem&cert=/c.pem&key=/k.pem&nkey=/u.nk",
+        )
+        .unwrap();
+        assert!(c.tls);
+        assert_eq!(c.ca_file, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(
+            c.client_cert,
+            Some((PathBuf::from("/c.pem"), PathBuf::from("/k.pem")))
+        );
+        assert_eq!(c.nkey_file, Some(PathBuf::from("/u.nk")));
+        assert!(!format!("{c:?}").contains("tok@"), "{c:?}");
+        let half = NatsConfig::from_url("nats://h/S/C?cert=/c.pem").unwrap_err();
+        assert_eq!(half.kind(), SourceErrorKind::Config);
+    }
 
     #[test]
     fn parses_urls() {
