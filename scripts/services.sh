@@ -10,7 +10,8 @@
 #              TLS on with a local certificate ($IDEMQ_TOOLS/mariadb/root.crt)
 #   redis      Redis      :6379, nothing kept on disk; TLS on :6380 with a
 #              local certificate ($IDEMQ_TOOLS/redis/root.crt)
-#   rabbitmq   RabbitMQ   :5672, guest/guest
+#   rabbitmq   RabbitMQ   :5672, guest/guest; TLS on :5671 with a local
+#              certificate ($IDEMQ_TOOLS/rabbitmq/root.crt)
 #   mosquitto  Mosquitto  :1883, anonymous; a local certificate for the TLS
 #              brokers the tests start ($IDEMQ_TOOLS/mosquitto/root.crt)
 #   nats       NATS       :4222 with JetStream; a local certificate for the
@@ -183,10 +184,39 @@ ready_redis() { wait_until Redis 30 "$RD_PID" "$RD_LOG" rd_answers; }
 RB_RUN="$IDEMQ_TOOLS/rabbitmq"
 RB_PID="$RB_RUN/rabbitmq.pid"
 RB_LOG="$RB_RUN/rabbitmq.log"
+RB_TLS=/var/lib/rabbitmq/idemq-tls
 rb_answers() { port_open 127.0.0.1 5672; }
+rb_tls_answers() { port_open 127.0.0.1 5671; }
 start_rabbitmq() {
-  rb_answers >/dev/null 2>&1 && return 0
   mkdir -p "$RB_RUN"
+  # TLS on 5671 (amqps://; a client that verifies uses $RB_RUN/root.crt).
+  install -d -o rabbitmq -g rabbitmq /var/lib/rabbitmq
+  tls_cert "$RB_TLS" rabbitmq || return 1
+  cp -f "$RB_TLS/ca.crt" "$RB_RUN/root.crt"
+  local conf=/etc/rabbitmq/rabbitmq.conf
+  mkdir -p /etc/rabbitmq
+  if ! grep -q '^# idemq test service v1' "$conf" 2>/dev/null; then
+    cat >"$conf" <<CONF
+# idemq test service v1 (scripts/services.sh)
+listeners.ssl.default = 127.0.0.1:5671
+ssl_options.cacertfile = $RB_TLS/ca.crt
+ssl_options.certfile = $RB_TLS/server.crt
+ssl_options.keyfile = $RB_TLS/server.key
+ssl_options.verify = verify_none
+ssl_options.fail_if_no_peer_cert = false
+CONF
+  fi
+  if rb_answers >/dev/null 2>&1; then
+    rb_tls_answers >/dev/null 2>&1 && return 0
+    # Started before it had a TLS listener: restart it with one.
+    echo "services: restarting RabbitMQ to open its TLS port"
+    rabbitmqctl stop >/dev/null 2>&1 || true
+    local waited=0
+    while { rb_answers >/dev/null 2>&1 || pid_alive "$RB_PID"; } && [ "$waited" -lt 60 ]; do
+      sleep 1
+      waited=$((waited + 1))
+    done
+  fi
   # One node name for the server and rabbitmqctl that needs no host name
   # lookup; loopback only (epmd too).
   local envconf=/etc/rabbitmq/rabbitmq-env.conf
@@ -204,7 +234,8 @@ CONF
     env HOME=/var/lib/rabbitmq ERL_EPMD_ADDRESS=127.0.0.1 \
     sh -c 'cd /var/lib/rabbitmq && exec /usr/lib/rabbitmq/bin/rabbitmq-server'
 }
-ready_rabbitmq() { wait_until RabbitMQ 120 "$RB_PID" "$RB_LOG" rb_answers; }
+rb_both_answer() { rb_answers && rb_tls_answers; }
+ready_rabbitmq() { wait_until RabbitMQ 120 "$RB_PID" "$RB_LOG" rb_both_answer; }
 
 # ---- Mosquitto ------------------------------------------------------------
 MQ_RUN="$IDEMQ_TOOLS/mosquitto"

@@ -9,7 +9,9 @@
 //! store over `rediss://` with `cacert` on the local Redis's TLS port; Redis
 //! Streams with `cacert`; NATS JetStream over TLS with a password, an nkey
 //! or a token, against `nats-server`s this file starts with the local
-//! certificate (`$IDEMQ_TOOLS/nats/root.crt`).
+//! certificate (`$IDEMQ_TOOLS/nats/root.crt`); MQTT over `mqtts://` against
+//! a Mosquitto this file starts; RabbitMQ over `amqps://` on the local
+//! RabbitMQ's TLS port.
 #![cfg(all(feature = "postgres", feature = "mysql"))]
 
 mod support;
@@ -60,7 +62,12 @@ fn mariadb_verified(ca: &str) -> String {
 type Calls = Arc<std::sync::Mutex<std::collections::HashMap<String, u32>>>;
 
 /// A handler over lease `Tx` that counts its calls per key in `calls`.
-#[cfg(any(feature = "redis", feature = "nats", feature = "mqtt"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "nats",
+    feature = "mqtt",
+    feature = "amqp"
+))]
 fn counting<Tx: Send + 'static>(calls: &Calls) -> impl idemq::Handler<Tx> {
     let calls = Arc::clone(calls);
     handler_fn(move |ctx, _lease: &mut Tx| {
@@ -70,7 +77,12 @@ fn counting<Tx: Send + 'static>(calls: &Calls) -> impl idemq::Handler<Tx> {
 }
 
 /// Every one of `expected` keys was handled, each exactly once.
-#[cfg(any(feature = "redis", feature = "nats", feature = "mqtt"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "nats",
+    feature = "mqtt",
+    feature = "amqp"
+))]
 fn assert_each_once(calls: &Calls, expected: usize) {
     let calls = calls.lock().unwrap();
     assert_eq!(calls.len(), expected, "{calls:?}");
@@ -395,7 +407,7 @@ fn nats_url(server: &Spawned, auth: &str, params: &str) -> String {
 
 /// Duplicated payments published and consumed over broker `url`, each
 /// handled once; what the URL created is removed.
-#[cfg(any(feature = "nats", feature = "mqtt"))]
+#[cfg(any(feature = "nats", feature = "mqtt", feature = "amqp"))]
 async fn tls_round(url: &str) {
     use idemq::source::registry;
     use idemq::store::memory::{Lease, MemoryStore};
@@ -442,7 +454,7 @@ async fn tls_round(url: &str) {
 
 /// Opening a source on `url` fails with a configuration error that does not
 /// show `secret`.
-#[cfg(any(feature = "nats", feature = "mqtt"))]
+#[cfg(any(feature = "nats", feature = "mqtt", feature = "amqp"))]
 async fn assert_refused(url: &str, secret: &str) {
     let broker = idemq::source::registry::lookup(url).unwrap().unwrap();
     let err = match (broker.open_source)(url).await {
@@ -546,4 +558,20 @@ async fn mqtts_with_a_password_delivers_once() {
     tls_round(&url("idemq:pw-s3cret@", &ca)).await;
     assert_refused(&url("idemq:wrong-s3cret@", &ca), "wrong-s3cret").await;
     assert_refused(&url("idemq:pw-s3cret@", &root_cert("redis")), "pw-s3cret").await;
+}
+
+/// RabbitMQ over TLS (`amqps://` with `cacert`, the local RabbitMQ's TLS
+/// port): every payment handled once. A wrong password and an unknown CA
+/// are configuration errors that do not show the password.
+#[cfg(feature = "amqp")]
+#[tokio::test]
+async fn amqps_with_cacert_delivers_once() {
+    let url = |password: &str, ca: &str| {
+        let run = support::unique("tls");
+        format!("amqps://guest:{password}@localhost:5671/%2f?queue={run}&cacert={ca}")
+    };
+    let ca = root_cert("rabbitmq");
+    tls_round(&url("guest", &ca)).await;
+    assert_refused(&url("wrong-s3cret", &ca), "wrong-s3cret").await;
+    assert_refused(&url("guest", &root_cert("redis")), ":guest@").await;
 }

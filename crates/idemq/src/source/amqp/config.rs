@@ -1,10 +1,12 @@
 //! [`AmqpConfig`]: parsing the URL into the AMQP URI and the queue settings, and connecting.
 
 use std::fmt;
+use std::path::PathBuf;
 
+use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
-use lapin::{Connection, ConnectionProperties};
+use lapin::{Connect, Connection, ConnectionProperties};
 
 use crate::error::SourceError;
 use crate::source::url::BrokerUrl;
@@ -45,6 +47,9 @@ pub struct AmqpConfig {
     pub(super) queue: String,
     pub(super) prefetch: u16,
     pub(super) queue_type: QueueType,
+    /// A PEM file of the CA that signed the broker's certificate
+    /// (`amqps://…?cacert=PATH`); Mozilla's roots otherwise.
+    pub(super) ca_file: Option<PathBuf>,
 }
 
 impl fmt::Debug for AmqpConfig {
@@ -55,6 +60,8 @@ impl fmt::Debug for AmqpConfig {
             .field("host", &a.host)
             .field("port", &a.port)
             .field("vhost", &self.uri.vhost)
+            .field("tls", &(self.uri.scheme == AMQPScheme::AMQPS))
+            .field("ca_file", &self.ca_file)
             .field("queue", &self.queue)
             .field("prefetch", &self.prefetch)
             .field("queue_type", &self.queue_type)
@@ -68,18 +75,18 @@ impl AmqpConfig {
     /// User and password default to `guest`, the port to 5672, the vhost to
     /// `/`, `prefetch` to 32 and `queue_type` to `classic`; `queue` is
     /// required. Unknown parameters are an error.
+    ///
+    /// `amqps://` connects over TLS (port 5671 by default), verifying the
+    /// broker against Mozilla's roots or the CA file in `cacert=PATH`.
     pub fn from_url(url: &str) -> Result<Self, SourceError> {
-        if url.starts_with("amqps://") {
-            return Err(BrokerUrl::parse("AMQP", "amqps", url)?
-                .error("amqps (TLS) is not supported by this build"));
-        }
-        let u = BrokerUrl::parse("AMQP", "amqp", url)?;
+        let tls = url.starts_with("amqps://");
+        let u = BrokerUrl::parse("AMQP", if tls { "amqps" } else { "amqp" }, url)?;
         let mut user = AMQPUserInfo::default();
         if let Some((name, pass)) = &u.userinfo {
             user.username.clone_from(name);
             user.password.clone_from(pass);
         }
-        let (host, port) = u.host_port(5672)?;
+        let (host, port) = u.host_port(if tls { 5671 } else { 5672 })?;
         let mut vhost = u.decoded_path()?;
         if vhost.is_empty() {
             vhost = "/".into();
@@ -89,6 +96,7 @@ impl AmqpConfig {
         let mut prefetch = 32u16;
         let mut queue_type = QueueType::Classic;
         let mut conn = AMQPQueryString::default();
+        let mut ca_file = None;
         for p in u.params() {
             match p.name.as_str() {
                 "queue" => queue = Some(p.value),
@@ -108,12 +116,18 @@ impl AmqpConfig {
                 "connection_timeout" => conn.connection_timeout = Some(p.count()?),
                 "frame_max" => conn.frame_max = Some(p.count()?),
                 "channel_max" => conn.channel_max = Some(p.count()?),
+                "cacert" if tls => ca_file = p.non_empty().map(PathBuf::from),
+                "cacert" => return Err(p.error("a CA file needs an amqps:// URL")),
                 _ => return Err(p.unknown()),
             }
         }
         let queue = queue.ok_or_else(|| u.missing("queue"))?;
         let uri = AMQPUri {
-            scheme: AMQPScheme::AMQP,
+            scheme: if tls {
+                AMQPScheme::AMQPS
+            } else {
+                AMQPScheme::AMQP
+            },
             authority: AMQPAuthority {
                 userinfo: user,
                 host,
@@ -127,6 +141,7 @@ impl AmqpConfig {
             queue: String::new(),
             prefetch,
             queue_type,
+            ca_file,
         }
         .queue(queue)
     }
@@ -177,14 +192,41 @@ impl AmqpConfig {
 
     pub(super) async fn connect(&self, name: &str) -> Result<Connection, SourceError> {
         let props = ConnectionProperties::default().with_connection_name(name.into());
-        Connection::connect_uri(self.uri.clone(), props)
+        let mut tls = OwnedTLSConfig::default();
+        if let Some(path) = &self.ca_file {
+            let pem = tokio::fs::read_to_string(path).await.map_err(|e| {
+                SourceError::config(format!("AMQP: reading the CA file {}: {e}", path.display()))
+            })?;
+            tls.cert_chain = Some(pem);
+        }
+        let runtime = lapin::runtime::default_runtime()
+            .map_err(|e| SourceError::other(format!("AMQP: no runtime: {e}")))?;
+        let a = &self.uri.authority;
+        let at = format!("{}:{} vhost {:?}", a.host, a.port, self.uri.vhost);
+        self.uri
+            .clone()
+            .connect_with_config(props, tls, runtime)
             .await
-            .map_err(|e| {
-                SourceError::broker(format!(
-                    "connecting to {}:{} vhost {:?}: {e}",
-                    self.uri.authority.host, self.uri.authority.port, self.uri.vhost
-                ))
-            })
+            .map_err(|e| connect_error(&at, e))
+    }
+}
+
+/// A failed connection: refused credentials and a TLS handshake that fails
+/// (an unknown CA, a server without TLS) are configuration errors, which no
+/// retry fixes; the rest are the broker's.
+fn connect_error(at: &str, e: lapin::Error) -> SourceError {
+    use lapin::ErrorKind;
+    let refused_for_good = match e.kind() {
+        ErrorKind::AuthProviderError(_) => true,
+        ErrorKind::IOError(io) => io.kind() == std::io::ErrorKind::InvalidData,
+        ErrorKind::ProtocolError(amqp) => amqp.get_id() == 403,
+        _ => false,
+    };
+    let message = format!("connecting to {at}: {e}");
+    if refused_for_good {
+        SourceError::config(format!("AMQP: {message}"))
+    } else {
+        SourceError::broker(message)
     }
 }
 
@@ -228,11 +270,15 @@ mod tests {
             AmqpConfig::from_url("amqp://h:1/?queue=q").unwrap().vhost(),
             "/"
         );
+        let tls = AmqpConfig::from_url("amqps://h/?queue=q&cacert=/ca.pem").unwrap();
+        assert_eq!(tls.uri.scheme, AMQPScheme::AMQPS);
+        assert_eq!(tls.uri.authority.port, 5671);
+        assert_eq!(tls.ca_file, Some(PathBuf::from("/ca.pem")));
 
         for bad in [
             "amqp://h/%2f",
             "http://h/?queue=q",
-            "amqps://h/?queue=q",
+            "amqp://h/?queue=q&cacert=/ca.pem",
             "amqp://h:x/?queue=q",
             "amqp://h/?queue=q&prefetch=0",
             "amqp://h/?queue=q&queue_type=stream",

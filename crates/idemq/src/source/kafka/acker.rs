@@ -78,6 +78,14 @@ impl KafkaAcker {
     /// everything settled by then, or nothing if an ack before it already
     /// committed that. A revocation takes the same lock, commits what is
     /// settled and forgets the partition; acks after it commit nothing.
+    ///
+    /// The commit is sent asynchronously (the effect is in the inbox
+    /// already; a commit that never lands only brings records back, which
+    /// the inbox answers as duplicates): the ack does not wait a round trip
+    /// to the group coordinator. A commit the broker refuses makes the
+    /// position uncommitted again ([`Shared::commit_failed`]), so the next
+    /// ack or the revocation sends it again. Commits leave in offset order
+    /// on one connection, and a position never moves back.
     fn commit(
         shared: &Shared,
         consumer: &Weak<KafkaConsumer>,
@@ -114,7 +122,7 @@ impl KafkaAcker {
             };
             let result = shared
                 .tpl(&[(partition, next)])
-                .and_then(|tpl| consumer.commit(&tpl, CommitMode::Sync).map_err(broker));
+                .and_then(|tpl| consumer.commit(&tpl, CommitMode::Async).map_err(broker));
             if result.is_ok() {
                 let mut state = shared.state();
                 if let Some(p) = state.partitions.get_mut(&partition) {

@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, RebalanceProtocol,
 };
-use rdkafka::error::KafkaError;
+use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::producer::FutureProducer;
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
@@ -104,6 +104,29 @@ impl Shared {
 
     pub(super) fn commit_guard(&self) -> MutexGuard<'_, ()> {
         self.commit_lock.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A commit of `offsets` failed (the broker refused it, the
+    /// coordinator moved): each position is made the next to commit again,
+    /// unless the partition was revoked or a later position is on its way.
+    pub(super) fn commit_failed(&self, offsets: &TopicPartitionList) {
+        let mut state = self.state();
+        for element in offsets.elements_for_topic(&self.topic) {
+            let Offset::Offset(offset) = element.offset() else {
+                continue;
+            };
+            let Some(p) = state.partitions.get_mut(&element.partition()) else {
+                continue;
+            };
+            if p.committed.is_some_and(|c| c > offset) {
+                // A later position was committed since: nothing to redo.
+                continue;
+            }
+            p.committed = None;
+            if p.uncommitted.is_none_or(|u| u < offset) {
+                p.uncommitted = Some(offset);
+            }
+        }
     }
 
     pub(super) fn tpl(&self, offsets: &[(i32, i64)]) -> Result<TopicPartitionList, SourceError> {
@@ -272,6 +295,14 @@ pub(super) struct KafkaContext {
 impl ClientContext for KafkaContext {}
 
 impl ConsumerContext for KafkaContext {
+    /// A refused commit is sent again by the next ack or the revocation.
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        if let Err(e) = result {
+            tracing::warn!(topic = %self.shared.topic, error = %e, "a kafka offset commit failed; it will be sent again");
+            self.shared.commit_failed(offsets);
+        }
+    }
+
     /// rdkafka's default rebalance, with the assigned partitions first
     /// positioned at their stored watermarks (offset-watermark mode).
     fn rebalance(
