@@ -46,7 +46,7 @@ async fn main() -> Result<(), ledger::Error> {
     ledger.report(&summary, 2).await?;
 
     // Clean up the example's queue and table.
-    let client = config.client()?;
+    let client = config.client().await?;
     client
         .delete_queue()
         .queue_url(publisher.queue_url())

@@ -703,7 +703,10 @@ async fn first_claims_of_many_partitions_at_once<B: Backend>() {
 async fn a_rebalance_with_messages_in_flight<B: Backend>(options: WatermarkOptions) {
     let ledger = Ledger::<B>::new().await;
     let topic = new_topic().await;
-    let (messages, _) = payments(60, serde_json::json!({ "sleep_ms": 150 }));
+    // Enough work that the first member is still busy when the rebalance
+    // that lets the second one in is done.
+    const RECORDS: usize = 120;
+    let (messages, _) = payments(RECORDS, serde_json::json!({ "sleep_ms": 150 }));
     publish(&topic, &messages).await;
     let plan = Arc::new(Plan::default());
     let group = support::unique("g");
@@ -724,6 +727,30 @@ async fn a_rebalance_with_messages_in_flight<B: Backend>(options: WatermarkOptio
         support::wait_until(Duration::from_secs(60), || seen.total() >= 5).await,
         "the first member settled nothing"
     );
+    // Every partition has a stored position before the second member joins,
+    // so whichever partitions it is given, it can start them there (on a
+    // loaded machine the first settled records may all be of one partition).
+    let store = &ledger.store;
+    let mut positioned = false;
+    for _ in 0..600 {
+        let mut all = true;
+        for p in 0..PARTITIONS {
+            all &= store
+                .watermark("wm-group", &topic, p)
+                .await
+                .unwrap()
+                .is_some();
+        }
+        if all {
+            positioned = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        positioned,
+        "the first member stored no position for some partition"
+    );
     let second = source(&topic, &group).await;
     let b_counters = second.counters();
     let run_b = tokio::spawn({
@@ -734,9 +761,9 @@ async fn a_rebalance_with_messages_in_flight<B: Backend>(options: WatermarkOptio
         }
     });
     let rows = ledger
-        .wait_for(Duration::from_secs(90), |rows| rows.len() >= 60)
+        .wait_for(Duration::from_secs(90), |rows| rows.len() >= RECORDS)
         .await;
-    assert_eq!(rows.len(), 60, "lost records");
+    assert_eq!(rows.len(), RECORDS, "lost records");
     // Let redeliveries of revoked partitions arrive and be answered.
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop.notify_waiters();
@@ -755,7 +782,9 @@ async fn a_rebalance_with_messages_in_flight<B: Backend>(options: WatermarkOptio
         a_counters.positioned_at_assignment() >= 1,
         "A started no partition at its watermark after the rebalance"
     );
-    ledger.assert_applied_once(60, (1..=60).sum()).await;
+    ledger
+        .assert_applied_once(RECORDS, (1..=RECORDS as i64).sum())
+        .await;
     ledger.cleanup().await;
 }
 

@@ -2,8 +2,18 @@
 
 use std::time::Duration;
 
-use aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
+use aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region, SharedCredentialsProvider};
 use aws_sdk_sqs::Client;
+
+/// Environment variables that name a credential source of the AWS chain.
+const CHAIN_VARIABLES: [&str; 6] = [
+    "AWS_ACCESS_KEY_ID",
+    "AWS_PROFILE",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_ROLE_ARN",
+];
 
 use crate::error::SourceError;
 use crate::source::url::{Bare, BrokerUrl};
@@ -23,8 +33,15 @@ pub struct SqsConfig {
     pub queue: String,
     /// The endpoint URL (e.g. `http://127.0.0.1:5000`); `None` for AWS itself.
     pub endpoint: Option<String>,
-    /// The AWS region.
+    /// The AWS region. Without `region=` in the URL (or
+    /// [`region`](Self::region)), the AWS chain's region is used when it
+    /// has one (`AWS_REGION`, the profile's `region`), else `us-east-1`.
     pub region: String,
+    /// The profile of the shared AWS config and credentials files to read
+    /// (`profile=NAME`; else `AWS_PROFILE`, else `default`).
+    pub profile: Option<String>,
+    /// Whether `region` was chosen (URL or builder) rather than defaulted.
+    region_chosen: bool,
     /// The visibility timeout requested on receive, and by which it is
     /// extended while a delivery is unsettled (1 s ..= 12 h, whole seconds).
     pub visibility: Duration,
@@ -45,6 +62,7 @@ impl std::fmt::Debug for SqsConfig {
             .field("queue", &self.queue)
             .field("endpoint", &self.endpoint)
             .field("region", &self.region)
+            .field("profile", &self.profile)
             .field("visibility", &self.visibility)
             .field("wait", &self.wait)
             .field("batch", &self.batch)
@@ -57,7 +75,7 @@ impl std::fmt::Debug for SqsConfig {
 
 impl SqsConfig {
     /// Defaults for `queue`: the region from `AWS_REGION` or
-    /// `AWS_DEFAULT_REGION` (else `us-east-1`), AWS's own endpoint, a 30 s
+    /// `AWS_DEFAULT_REGION` (else the profile's, else `us-east-1`), AWS's own endpoint, a 30 s
     /// visibility timeout, 20 s long polls, 10 messages per receive, no
     /// dead-letter queue, queues not created.
     pub fn new(queue: impl Into<String>) -> Self {
@@ -70,6 +88,8 @@ impl SqsConfig {
             queue: queue.into(),
             endpoint: None,
             region,
+            profile: None,
+            region_chosen: false,
             visibility: Duration::from_secs(30),
             wait: Duration::from_secs(MAX_WAIT_SECS),
             batch: MAX_BATCH,
@@ -79,7 +99,7 @@ impl SqsConfig {
         }
     }
 
-    /// Parses `sqs://queue-name?endpoint=…&region=…&visibility=30&wait=20&dlq=name&create=true&batch=10`.
+    /// Parses `sqs://queue-name?endpoint=…&region=…&profile=…&visibility=30&wait=20&dlq=name&create=true&batch=10`.
     ///
     /// Every parameter is optional. `visibility` and `wait` are durations
     /// (`30`, `30s`, `1m`; a bare number is seconds) that must come to whole
@@ -97,7 +117,8 @@ impl SqsConfig {
         for p in u.params() {
             match p.name.as_str() {
                 "endpoint" => config.endpoint = p.non_empty(),
-                "region" => config.region = p.value,
+                "region" => config = config.region(p.value),
+                "profile" => config.profile = p.non_empty(),
                 "visibility" => config.visibility = p.duration(Bare::Seconds)?,
                 "wait" => config.wait = p.duration(Bare::Seconds)?,
                 "batch" => config.batch = p.count()?,
@@ -119,6 +140,14 @@ impl SqsConfig {
     /// Sets the region.
     pub fn region(mut self, region: impl Into<String>) -> Self {
         self.region = region.into();
+        self.region_chosen = true;
+        self
+    }
+
+    /// Reads credentials (and the region) from this profile of the shared
+    /// AWS config and credentials files.
+    pub fn profile(mut self, profile: impl Into<String>) -> Self {
+        self.profile = Some(profile.into());
         self
     }
 
@@ -146,7 +175,7 @@ impl SqsConfig {
         self
     }
 
-    /// Uses these static credentials instead of the environment.
+    /// Uses these static credentials instead of the AWS chain.
     pub fn credentials(
         mut self,
         access_key_id: impl Into<String>,
@@ -208,42 +237,68 @@ impl SqsConfig {
         Ok(())
     }
 
-    /// An `aws-sdk-sqs` client for this configuration (see the module docs for credentials).
-    pub fn client(&self) -> Result<Client, SourceError> {
-        self.validate()?;
-        let credentials = match &self.credentials {
-            Some((id, secret)) => Credentials::new(id, secret, None, None, "idemq-config"),
-            None => match (
-                std::env::var("AWS_ACCESS_KEY_ID"),
-                std::env::var("AWS_SECRET_ACCESS_KEY"),
-            ) {
-                (Ok(id), Ok(secret)) if !id.is_empty() => Credentials::new(
-                    id,
-                    secret,
-                    std::env::var("AWS_SESSION_TOKEN")
-                        .ok()
-                        .filter(|t| !t.is_empty()),
-                    None,
-                    "idemq-environment",
-                ),
-                _ if self.endpoint.as_deref().is_some_and(is_local_endpoint) => {
-                    Credentials::new("test", "test", None, None, "idemq-local")
-                }
-                _ => {
-                    return Err(SourceError::config(
-                        "no SQS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
-                    ))
-                }
-            },
-        };
+    /// An `aws-sdk-sqs` client for this configuration (see
+    /// [`credentials_and_region`](Self::credentials_and_region)).
+    pub async fn client(&self) -> Result<Client, SourceError> {
+        Ok(Client::from_conf(self.sdk_config().await?))
+    }
+
+    /// The `aws-sdk-sqs` configuration [`client`](Self::client) uses: the
+    /// credentials and region of
+    /// [`credentials_and_region`](Self::credentials_and_region), the
+    /// endpoint.
+    pub async fn sdk_config(&self) -> Result<aws_sdk_sqs::Config, SourceError> {
+        let (credentials, region) = self.credentials_and_region().await?;
         let mut builder = aws_sdk_sqs::Config::builder()
             .behavior_version(BehaviorVersion::latest())
-            .region(Region::new(self.region.clone()))
-            .credentials_provider(credentials);
+            .credentials_provider(credentials)
+            .region(region);
         if let Some(endpoint) = &self.endpoint {
             builder = builder.endpoint_url(endpoint);
         }
-        Ok(Client::from_conf(builder.build()))
+        Ok(builder.build())
+    }
+
+    /// Where the client's credentials come from, and its region: static
+    /// credentials if given; for a local endpoint with no credential source
+    /// configured, the placeholder pair `test`/`test`; else the AWS SDK's
+    /// standard chain — environment, the shared config and credentials
+    /// files (`profile`), web identity (`AWS_ROLE_ARN` +
+    /// `AWS_WEB_IDENTITY_TOKEN_FILE`), container and instance roles — with
+    /// its region unless one was chosen.
+    pub async fn credentials_and_region(
+        &self,
+    ) -> Result<(SharedCredentialsProvider, Region), SourceError> {
+        self.validate()?;
+        let chosen = || Region::new(self.region.clone());
+        let fixed = |id: &str, secret: &str, source: &'static str| {
+            SharedCredentialsProvider::new(Credentials::new(id, secret, None, None, source))
+        };
+        let local = self.endpoint.as_deref().is_some_and(is_local_endpoint);
+        let configured = self.profile.is_some()
+            || CHAIN_VARIABLES
+                .iter()
+                .any(|v| std::env::var_os(v).is_some_and(|value| !value.is_empty()));
+        match &self.credentials {
+            Some((id, secret)) => return Ok((fixed(id, secret, "idemq-config"), chosen())),
+            None if local && !configured => {
+                return Ok((fixed("test", "test", "idemq-local"), chosen()))
+            }
+            None => {}
+        }
+        let mut loader = aws_config::defaults(BehaviorVersion::latest());
+        if let Some(profile) = &self.profile {
+            loader = loader.profile_name(profile);
+        }
+        if self.region_chosen {
+            loader = loader.region(chosen());
+        }
+        let shared = loader.load().await;
+        let credentials = shared.credentials_provider().ok_or_else(|| {
+            SourceError::config("no SQS credentials: the AWS credential chain found none")
+        })?;
+        let region = shared.region().cloned().unwrap_or_else(chosen);
+        Ok((credentials, region))
     }
 }
 

@@ -53,11 +53,16 @@
 //!
 //! `sqs://queue-name?endpoint=http://127.0.0.1:5000&region=us-east-1&visibility=30&wait=20&dlq=queue-dead&create=true&batch=10`
 //! (see [`SqsConfig::from_url`]). Credentials come from
-//! [`SqsConfig::credentials`], else from the environment variables
-//! `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` (and `AWS_SESSION_TOKEN`);
-//! for a local endpoint (`localhost`, `127.0.0.1`, `::1`) without them the
+//! [`SqsConfig::credentials`], else from the AWS SDK's standard chain
+//! (`aws-config`): the environment (`AWS_ACCESS_KEY_ID` /
+//! `AWS_SECRET_ACCESS_KEY` / `AWS_SESSION_TOKEN`), the shared config and
+//! credentials files (`profile=NAME`, else `AWS_PROFILE`, else `default`),
+//! web identity (`AWS_ROLE_ARN` with `AWS_WEB_IDENTITY_TOKEN_FILE`, as on
+//! EKS), container credentials (ECS) and the instance role (IMDS). The
+//! region is `region=` if given, else the chain's (`AWS_REGION`, the
+//! profile's `region`), else `us-east-1`. For a local endpoint (`localhost`,
+//! `127.0.0.1`, `::1`) with no credential source configured, the
 //! placeholder pair `test`/`test` is used, which local emulators accept.
-//! Other AWS credential sources (profiles, instance roles) are not read.
 //!
 //! ```no_run
 //! use idemq::source::sqs::{SqsConfig, SqsPublisher, SqsSource};

@@ -52,7 +52,7 @@ impl std::fmt::Debug for SqsPublisher {
 impl SqsPublisher {
     /// Resolves the queue URL, creating the queue if [`SqsConfig::create_queue`] is set.
     pub async fn connect(config: SqsConfig) -> Result<Self, SourceError> {
-        let client = config.client()?;
+        let client = config.client().await?;
         let queue = resolve_queue(&client, &config.queue, config.create_queue).await?;
         Ok(Self { client, queue })
     }

@@ -16,7 +16,7 @@ impl BrokerConfig for SqsConfig {
 
     /// Deletes the queue and its dead-letter queue, if they exist.
     async fn remove(self) -> Result<(), SourceError> {
-        let client = self.client()?;
+        let client = self.client().await?;
         for name in std::iter::once(&self.queue).chain(&self.dead_letter_queue) {
             let queue = super::queue::resolve_queue(&client, name, false).await?;
             client

@@ -78,7 +78,7 @@ impl SqsSource {
     /// Resolves the queue (and the dead-letter queue) URLs, creating the
     /// queues first if [`SqsConfig::create_queue`] is set.
     pub async fn connect(config: SqsConfig) -> Result<Self, SourceError> {
-        let client = config.client()?;
+        let client = config.client().await?;
         let queue = resolve_queue(&client, &config.queue, config.create_queue).await?;
         let dead_letter = match &config.dead_letter_queue {
             Some(name) => Some(resolve_queue(&client, name, config.create_queue).await?),
