@@ -247,11 +247,11 @@ struct ConsumeArgs {
     #[arg(long)]
     no_checkpoint: bool,
 
-    /// The longest JSON line read from a file or stdin (e.g. `64KiB`, `16MiB`):
-    /// a longer one becomes a `too_large` dead letter holding its first
-    /// this-many bytes, so memory stays bounded.
-    #[arg(long, value_name = "SIZE", default_value = "4MiB", value_parser = size::parse_byte_size)]
-    max_line_bytes: usize,
+    /// The largest message payload handled, from any source (e.g. `64KiB`,
+    /// `16MiB`): a larger one becomes a `too_large` dead letter holding its
+    /// first this-many bytes. A JSON line over it is not even held whole.
+    #[arg(long, alias = "max-line-bytes", value_name = "SIZE", default_value = "4MiB", value_parser = size::parse_byte_size)]
+    max_message_bytes: usize,
 
     /// Messages in flight at once.
     #[arg(long, default_value_t = 8, value_name = "N", value_parser = parse_positive)]

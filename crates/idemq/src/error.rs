@@ -52,9 +52,11 @@ pub enum InputError {
         /// The decoder's error.
         error: String,
     },
-    /// The record is larger than the source's limit (a JSON line longer
-    /// than [`JsonLinesSource::max_line_bytes`](crate::source::jsonl::JsonLinesSource::max_line_bytes));
-    /// only its first bytes were kept.
+    /// The record is larger than a limit: a JSON line longer than
+    /// [`JsonLinesSource::max_line_bytes`](crate::source::jsonl::JsonLinesSource::max_line_bytes),
+    /// or a payload longer than the consumer's
+    /// [`max_payload_bytes`](crate::ConsumerBuilder::max_payload_bytes);
+    /// only its first `max` bytes are kept.
     #[error("record is {len} bytes, larger than the limit of {max}")]
     TooLarge {
         /// Its length in bytes.

@@ -63,6 +63,7 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
     )
     .handler(handler)
     .concurrency(args.concurrency)
+    .max_payload_bytes(args.max_message_bytes)
     .lease(args.lease)
     .in_flight(match args.in_flight {
         InFlight::Reject => InFlightPolicy::Reject,
@@ -84,7 +85,7 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
 
     let source = args
         .input
-        .open_source(&args.consumer, args.no_checkpoint, args.max_line_bytes)
+        .open_source(&args.consumer, args.no_checkpoint, args.max_message_bytes)
         .await?;
     let source: Box<dyn Source> = match args.idle_exit {
         Some(idle) => Box::new(IdleExit::new(source, idle)),

@@ -52,8 +52,13 @@ pub(crate) struct Inner<S: Store> {
     pub(crate) in_flight: InFlightPolicy,
     pub(crate) concurrency: usize,
     pub(crate) lease: Duration,
+    /// Payloads longer than this are dead-lettered as too large.
+    pub(crate) max_payload_bytes: usize,
     pub(crate) on_outcome: Option<OutcomeHook>,
 }
+
+/// The default of [`ConsumerBuilder::max_payload_bytes`]: 4 MiB.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 4 * 1024 * 1024;
 
 /// An idempotent consumer: a name, a store, a key spec, policies and a handler.
 ///
@@ -123,6 +128,7 @@ pub struct ConsumerBuilder<S: Store> {
     concurrency: usize,
     lease: Duration,
     handler_timeout: Option<Duration>,
+    max_payload_bytes: usize,
     on_outcome: Option<OutcomeHook>,
 }
 
@@ -132,7 +138,8 @@ impl<S: Store> Consumer<S> {
     /// Defaults: key `key|id` (the transport key, else the message id: set a
     /// business key with [`key`](ConsumerBuilder::key)), fingerprint of the
     /// whole payload, [`RetryPolicy::default`], conflicts dead-lettered,
-    /// 8 messages in flight, 30 s leases, no handler timeout.
+    /// 8 messages in flight, 30 s leases, no handler timeout, payloads up
+    /// to [`DEFAULT_MAX_PAYLOAD_BYTES`].
     pub fn builder(name: impl Into<String>, store: impl Into<Arc<S>>) -> ConsumerBuilder<S> {
         ConsumerBuilder {
             name: name.into(),
@@ -147,6 +154,7 @@ impl<S: Store> Consumer<S> {
             concurrency: 8,
             lease: Duration::from_secs(30),
             handler_timeout: None,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             on_outcome: None,
         }
     }
@@ -325,6 +333,14 @@ impl<S: Store> ConsumerBuilder<S> {
         self
     }
 
+    /// Dead-letters a message whose payload is longer than `bytes` with
+    /// the reason `too_large`, before its key is read and without running
+    /// the handler; its dead letter keeps only the first `bytes` bytes.
+    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
+        self.max_payload_bytes = bytes;
+        self
+    }
+
     /// For lease stores: how long a claim lives without completion.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
@@ -381,6 +397,7 @@ impl<S: Store> ConsumerBuilder<S> {
                 in_flight: self.in_flight,
                 concurrency: self.concurrency,
                 lease: self.lease,
+                max_payload_bytes: self.max_payload_bytes,
                 on_outcome: self.on_outcome,
             }),
         })

@@ -35,7 +35,7 @@ mod unit;
 pub mod watermark;
 
 pub use batch::BatchOptions;
-pub use consumer::{validate_consumer_name, Consumer, ConsumerBuilder};
+pub use consumer::{validate_consumer_name, Consumer, ConsumerBuilder, DEFAULT_MAX_PAYLOAD_BYTES};
 pub use handler::layers;
 pub use handler::{
     handler_fn, AsyncFnHandler, AsyncHandlerFn, Context, FnHandler, Handler, HandlerResult,

@@ -358,7 +358,47 @@ mod tests {
 
     use crate::source::queue::MemoryQueue;
     use crate::store::memory::MemoryStore;
+    use crate::store::StoreAdmin;
     use crate::{Consumer, HandlerError, KeySpec, Message, OutcomeKind};
+
+    /// A payload over `max_payload_bytes` is dead-lettered as `too_large`
+    /// without running the handler, and its letter keeps only the first
+    /// `max_payload_bytes` bytes; the messages around it are handled.
+    #[tokio::test]
+    async fn a_payload_over_the_limit_is_dead_lettered_with_its_head_only() {
+        let calls = Arc::new(AtomicU32::new(0));
+        let consumer = Consumer::builder("capped", MemoryStore::new())
+            .key(KeySpec::json("/id"))
+            .max_payload_bytes(64)
+            .handler_fn({
+                let calls = Arc::clone(&calls);
+                move |_ctx, _lease| {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    Box::pin(async { Ok(None) })
+                }
+            })
+            .build()
+            .unwrap();
+        let queue = MemoryQueue::new("q");
+        let big = format!(r#"{{"id":2,"pad":"{}"}}"#, "x".repeat(200));
+        for payload in [r#"{"id":1}"#.to_owned(), big, r#"{"id":3}"#.to_owned()] {
+            queue.push(Message::new(payload));
+        }
+        queue.close();
+        let summary = consumer.run(queue.source()).await.unwrap();
+        assert_eq!(summary.count(OutcomeKind::Processed), 2, "{summary}");
+        assert_eq!(summary.count(OutcomeKind::DeadLettered), 1, "{summary}");
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        let letters = consumer.store().dead_letters(None, 0, 10).await.unwrap();
+        assert_eq!(letters.len(), 1, "{letters:?}");
+        assert_eq!(letters[0].reason, "too_large");
+        assert_eq!(letters[0].message.payload.len(), 64);
+        assert!(
+            letters[0].error.contains("217 bytes"),
+            "{}",
+            letters[0].error
+        );
+    }
 
     /// A delivery nacked without a delay comes straight back. Its lane is
     /// released before the nack, so the redelivery runs at once (one retry

@@ -88,6 +88,13 @@ impl<S: Store> Consumer<S> {
         if let Some(defect) = defect {
             return Err((None, DeadLetterReason::InvalidInput(defect.clone())));
         }
+        if message.payload.len() > inner.max_payload_bytes {
+            let too_large = InputError::TooLarge {
+                len: message.payload.len() as u64,
+                max: inner.max_payload_bytes,
+            };
+            return Err((None, DeadLetterReason::InvalidInput(too_large)));
+        }
         let key = inner
             .key
             .extract(message)
@@ -274,6 +281,20 @@ impl<S: Store> Consumer<S> {
         meta: &DeliveryMeta,
         attempts: u32,
     ) -> Outcome {
+        // A payload over the limit is kept only up to it.
+        let cut;
+        let message = match &reason {
+            DeadLetterReason::InvalidInput(InputError::TooLarge { max, .. })
+                if message.payload.len() > *max =>
+            {
+                cut = Message {
+                    payload: message.payload[..*max].to_vec(),
+                    ..message.clone()
+                };
+                &cut
+            }
+            _ => message,
+        };
         let letter = DeadLetter {
             consumer: &self.inner.name,
             key,
