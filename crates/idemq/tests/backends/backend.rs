@@ -65,6 +65,11 @@ impl Plan {
             .unwrap_or(0)
     }
 
+    /// Whether the first call for `key` is hanging (or hung) already.
+    pub fn has_hung(&self, key: &str) -> bool {
+        self.hung.lock().unwrap().contains(key)
+    }
+
     /// `"hang"` hangs the first call for a key only (the "crashed" one).
     pub fn hangs(&self, ctx: &Context<'_>) -> bool {
         let wants = ctx

@@ -242,9 +242,16 @@ where
     let queue = queue_of([msg("x", 1), msg("y", 2), hang, msg("z", 3)]);
     let first = consumer(&backend, "ledger", &plan).build().unwrap();
     let source = queue.source();
-    // x and y ran in the batch's transaction; h hangs; the worker dies.
+    // The members before h (in the order the run loop formed the batch, not
+    // necessarily x y h z) ran in the batch's transaction; h hangs; the
+    // worker dies.
     let crashed = tokio::spawn(async move { first.run_batched(source, options(10)).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = std::time::Instant::now();
+    while !plan.has_hung("h") {
+        assert!(started.elapsed() < Duration::from_secs(10), "h never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let before = plan.calls.load(Ordering::SeqCst);
     crashed.abort();
     let _ = crashed.await;
     assert!(backend.ledger().await.is_empty(), "nothing committed");
@@ -266,7 +273,8 @@ where
             ("z".into(), 3)
         ]
     );
-    assert!(plan.calls.load(Ordering::SeqCst) >= 6, "x and y ran twice");
+    // Every key ran once more; what ran before the crash was rolled back.
+    assert_eq!(plan.calls.load(Ordering::SeqCst), before + 4);
     assert_eq!(queue.acked(), 4);
     backend.cleanup().await;
 }

@@ -356,7 +356,11 @@ pub async fn crash_before_commit_is_redelivered_and_applied_once<B: Backend>() {
         .unwrap();
     let source = queue.source();
     let crashed = tokio::spawn(async move { first.run(source).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = std::time::Instant::now();
+    while !plan.has_hung("h") {
+        assert!(started.elapsed() < Duration::from_secs(10), "h never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     crashed.abort();
     let _ = crashed.await;
 
