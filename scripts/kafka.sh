@@ -5,6 +5,14 @@
 #
 # Once: `mvn dependency:copy-dependencies` resolves the broker's class path
 # (scripts/jvm/kafka/pom.xml) into ${IDEMQ_TOOLS:-$HOME/.idemq-tools}/kafka/lib-VERSION.
+# TLS and authentication (for tests/tls.rs), beside plain :9092:
+#   :9094 SASL_SSL, mechanisms PLAIN, SCRAM-SHA-256 and SCRAM-SHA-512, user
+#         idemq with password idemq-secret (SCRAM credentials written when
+#         the storage is formatted);
+#   :9095 SSL asking for a client certificate (mutual TLS).
+# Both serve a certificate for localhost signed by a local CA; clients verify
+# with $IDEMQ_TOOLS/kafka/root.crt and prove themselves with
+# $IDEMQ_TOOLS/kafka/tls/client.{crt,key}.
 # Every start: the data directory is wiped and formatted anew (tests use
 # throwaway topics; state left by a broker killed with an earlier session
 # never matters and never grows), then `java -cp … kafka.Kafka` starts in the
@@ -14,10 +22,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib/daemon.sh
 . scripts/lib/daemon.sh
+# shellcheck source=scripts/lib/tls.sh
+. scripts/lib/tls.sh
 
 HOST=127.0.0.1
 PORT=9092
 CONTROLLER_PORT=9093
+SASL_SSL_PORT=9094
+SSL_PORT=9095
+SASL_USER=idemq
+SASL_PASSWORD=idemq-secret
 VERSION="$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' scripts/jvm/kafka/pom.xml)"
 RUN="$IDEMQ_TOOLS/kafka"
 LIB="$RUN/lib-$VERSION"
@@ -30,11 +44,18 @@ HEAP="${KAFKA_HEAP:-1g}"
 # directory is formatted anew at every start.
 CLUSTER_ID=MkU3OEVBNTcwNTJENDM2Qg
 
-started() { port_open "$HOST" "$PORT" && grep -q 'Kafka Server started' "$LOG"; }
+started() { port_open "$HOST" "$PORT" && port_open "$HOST" "$SSL_PORT" && grep -q 'Kafka Server started' "$LOG"; }
 
 if port_open "$HOST" "$PORT"; then
-  echo "kafka: something already answers on $HOST:$PORT"
-  exit 0
+  if port_open "$HOST" "$SASL_SSL_PORT" || ! pid_alive "$PIDFILE"; then
+    echo "kafka: something already answers on $HOST:$PORT"
+    exit 0
+  fi
+  # Ours, started by an older version of this script without the TLS
+  # listeners: start it again with them.
+  echo "kafka: restarting the broker (pid $(live_pid "$PIDFILE")) with its TLS listeners"
+  kill "$(live_pid "$PIDFILE")"
+  for _ in $(seq 1 300); do pid_alive "$PIDFILE" || break; sleep 0.1; done
 fi
 
 if [ ! -f "$LIB/.complete" ]; then
@@ -47,6 +68,13 @@ if [ ! -f "$LIB/.complete" ]; then
 fi
 
 mkdir -p "$RUN"
+TLS="$RUN/tls"
+tls_cert "$TLS" "$(id -un)"
+tls_client_cert "$TLS" "$(id -un)"
+cp -f "$TLS/ca.crt" "$RUN/root.crt"
+# Kafka reads a PEM key store as one file: the private key, then its chain.
+cat "$TLS/server.key" "$TLS/server.crt" >"$TLS/server.pem"
+chmod 600 "$TLS/server.pem"
 cat >"$RUN/log4j2.properties" <<'CONF'
 # Warnings and errors, plus the broker's start-up line (scripts/kafka.sh waits for it).
 status = warn
@@ -64,11 +92,20 @@ cat >"$CONF" <<CONF
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@$HOST:$CONTROLLER_PORT
-listeners=PLAINTEXT://$HOST:$PORT,CONTROLLER://$HOST:$CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://$HOST:$PORT
+listeners=PLAINTEXT://$HOST:$PORT,CONTROLLER://$HOST:$CONTROLLER_PORT,SASL_SSL://$HOST:$SASL_SSL_PORT,SSL://$HOST:$SSL_PORT
+advertised.listeners=PLAINTEXT://$HOST:$PORT,SASL_SSL://localhost:$SASL_SSL_PORT,SSL://localhost:$SSL_PORT
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_SSL:SASL_SSL,SSL:SSL
+ssl.keystore.type=PEM
+ssl.keystore.location=$TLS/server.pem
+ssl.truststore.type=PEM
+ssl.truststore.location=$TLS/ca.crt
+listener.name.ssl.ssl.client.auth=required
+sasl.enabled.mechanisms=PLAIN,SCRAM-SHA-256,SCRAM-SHA-512
+listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_$SASL_USER="$SASL_PASSWORD";
+listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 log.dirs=$DATA
 num.partitions=1
 num.network.threads=2
@@ -94,10 +131,12 @@ if pid_alive "$PIDFILE"; then
 else
   rm -rf "$DATA"
   java "${JAVA_OPTS[@]}" -cp "$LIB/*" kafka.tools.StorageTool format \
-    -t "$CLUSTER_ID" -c "$CONF" >"$RUN/format.log" 2>&1 ||
+    -t "$CLUSTER_ID" -c "$CONF" \
+    --add-scram "SCRAM-SHA-256=[name=$SASL_USER,password=$SASL_PASSWORD]" \
+    --add-scram "SCRAM-SHA-512=[name=$SASL_USER,password=$SASL_PASSWORD]" >"$RUN/format.log" 2>&1 ||
     { show_log Kafka "$RUN/format.log"; echo "kafka: formatting the storage failed" >&2; exit 1; }
   echo "kafka: starting Apache Kafka $VERSION on $HOST:$PORT (empty state, heap $HEAP; log $LOG)"
   spawn "$PIDFILE" "$LOG" java "${JAVA_OPTS[@]}" -cp "$LIB/*" kafka.Kafka "$CONF"
 fi
 wait_until Kafka 120 "$PIDFILE" "$LOG" started
-echo "kafka: Apache Kafka $VERSION answers on $HOST:$PORT"
+echo "kafka: Apache Kafka $VERSION answers on $HOST:$PORT (SASL_SSL :$SASL_SSL_PORT, mutual TLS :$SSL_PORT)"

@@ -27,6 +27,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib/daemon.sh
 . scripts/lib/daemon.sh
+# shellcheck source=scripts/lib/tls.sh
+. scripts/lib/tls.sh
 
 ALL="postgres mariadb redis rabbitmq mosquitto nats"
 WANTED="${*:-$ALL}"
@@ -52,28 +54,6 @@ PG_TLS=/var/lib/postgresql/idemq/tls
 PG_PID="$PG_RUN/postgres.pid"
 PG_LOG="$PG_RUN/postgres.log"
 pg_bin() { ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n1; }
-# A CA and a server certificate it signed (CN and subjectAltName localhost
-# and 127.0.0.1), for TLS on loopback: DIR/ca.crt is what a client verifies
-# with; DIR/server.crt and DIR/server.key belong to OWNER, who runs the
-# server. Made once. (A self-signed server certificate is a CA certificate,
-# which rustls refuses as a server's.)
-tls_cert() {
-  local dir=$1 owner=$2
-  [ -f "$dir/ca.crt" ] && [ -f "$dir/server.crt" ] && return 0
-  install -d -o "$owner" -g "$owner" -m 700 "$dir"
-  openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=idemq test CA" \
-    -keyout "$dir/ca.key" -out "$dir/ca.crt" >/dev/null 2>&1 &&
-  openssl req -newkey rsa:2048 -nodes -subj /CN=localhost \
-    -keyout "$dir/server.key" -out "$dir/server.csr" >/dev/null 2>&1 &&
-  printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' \
-    >"$dir/server.ext" &&
-  openssl x509 -req -in "$dir/server.csr" -CA "$dir/ca.crt" -CAkey "$dir/ca.key" -CAcreateserial \
-    -days 3650 -extfile "$dir/server.ext" -out "$dir/server.crt" >/dev/null 2>&1 ||
-    { echo "services: making a TLS certificate in $dir failed" >&2; return 1; }
-  chown -R "$owner:$owner" "$dir"
-  chmod 600 "$dir/server.key" "$dir/ca.key"
-}
-
 pg_answers() { pg_isready -q -h 127.0.0.1 -p 5432; }
 start_postgres() {
   pg_answers >/dev/null 2>&1 && return 0

@@ -11,7 +11,8 @@
 //! or a token, against `nats-server`s this file starts with the local
 //! certificate (`$IDEMQ_TOOLS/nats/root.crt`); MQTT over `mqtts://` against
 //! a Mosquitto this file starts; RabbitMQ over `amqps://` on the local
-//! RabbitMQ's TLS port.
+//! RabbitMQ's TLS port; Kafka over SASL_SSL (PLAIN and SCRAM) and mutual
+//! TLS on the local broker's TLS listeners (`scripts/kafka.sh`).
 #![cfg(all(feature = "postgres", feature = "mysql"))]
 
 mod support;
@@ -386,7 +387,8 @@ fn nats_url(server: &Spawned, auth: &str, params: &str) -> String {
     feature = "nats",
     feature = "mqtt",
     feature = "amqp",
-    feature = "redis-streams"
+    feature = "redis-streams",
+    feature = "kafka"
 ))]
 async fn tls_round(url: &str) {
     use idemq::source::registry;
@@ -438,7 +440,8 @@ async fn tls_round(url: &str) {
     feature = "nats",
     feature = "mqtt",
     feature = "amqp",
-    feature = "redis-streams"
+    feature = "redis-streams",
+    feature = "kafka"
 ))]
 async fn assert_refused(url: &str, secret: &str) {
     let broker = idemq::source::registry::lookup(url).unwrap().unwrap();
@@ -559,4 +562,62 @@ async fn amqps_with_cacert_delivers_once() {
     tls_round(&url("guest", &ca)).await;
     assert_refused(&url("wrong-s3cret", &ca), "wrong-s3cret").await;
     assert_refused(&url("guest", &root_cert("redis")), ":guest@").await;
+}
+
+/// A `kafka://` URL of a fresh two-partition topic on the local broker's
+/// listener `port` (a certificate for `localhost`), with `params` after the
+/// topic's own.
+#[cfg(feature = "kafka")]
+fn kafka_url(port: u16, params: &str) -> String {
+    let run = support::unique("tls");
+    format!("kafka://localhost:{port}/{run}?group={run}&create_partitions=2{params}")
+}
+
+/// Kafka over SASL_SSL with each mechanism the local broker offers (PLAIN,
+/// SCRAM-SHA-256, SCRAM-SHA-512), verified against the local CA: every
+/// payment handled once. A wrong password and an unknown CA are
+/// configuration errors that do not show the secret.
+#[cfg(feature = "kafka")]
+#[tokio::test]
+async fn kafka_over_sasl_ssl_with_plain_or_scram_delivers_once() {
+    let sasl = |mechanism: &str, password: &str, ca: &str| {
+        kafka_url(
+            9094,
+            &format!(
+                "&security.protocol=SASL_SSL&sasl.mechanism={mechanism}\
+                 &sasl.username=idemq&sasl.password={password}&ssl.ca.location={ca}"
+            ),
+        )
+    };
+    let ca = root_cert("kafka");
+    for mechanism in ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] {
+        tls_round(&sasl(mechanism, "idemq-secret", &ca)).await;
+    }
+    assert_refused(&sasl("SCRAM-SHA-512", "wrong-s3cret", &ca), "wrong-s3cret").await;
+    assert_refused(
+        &sasl("PLAIN", "idemq-secret", &root_cert("redis")),
+        "idemq-secret",
+    )
+    .await;
+}
+
+/// Kafka over mutual TLS (`security.protocol=SSL` with a client
+/// certificate, the listener that asks for one): every payment handled
+/// once; without the client certificate the connection is refused with a
+/// configuration error.
+#[cfg(feature = "kafka")]
+#[tokio::test]
+async fn kafka_over_mutual_tls_delivers_once() {
+    let tls = tools().join("kafka").join("tls");
+    let ca = format!(
+        "&security.protocol=SSL&ssl.ca.location={}",
+        root_cert("kafka")
+    );
+    let identity = format!(
+        "&ssl.certificate.location={}&ssl.key.location={}",
+        tls.join("client.crt").display(),
+        tls.join("client.key").display()
+    );
+    tls_round(&kafka_url(9095, &format!("{ca}{identity}"))).await;
+    assert_refused(&kafka_url(9095, &ca), "client.key").await;
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureRecord;
 use rdkafka::util::Timeout;
 
 use super::partition::Record;
@@ -21,7 +21,7 @@ use crate::source::{Acknowledger, Contiguity};
 /// Settles one Kafka delivery: see the [module docs](super).
 pub(super) struct KafkaAcker {
     pub(super) consumer: Weak<KafkaConsumer>,
-    pub(super) dead_letters: Option<(FutureProducer, String)>,
+    pub(super) dead_letters: Option<(super::publisher::Producer, String)>,
     pub(super) held: Unsettled<Held>,
 }
 

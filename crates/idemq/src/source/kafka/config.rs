@@ -83,6 +83,27 @@ impl KafkaConfig {
     /// `dead_letter_topic`; any parameter whose name contains a dot is passed
     /// to librdkafka as is (e.g. `heartbeat.interval.ms=500`). Values may be
     /// percent-encoded; the common URL rules are in `source::url`.
+    ///
+    /// TLS and authentication are librdkafka's own settings, as in any
+    /// librdkafka client's properties; the connection settings among them
+    /// (`security.protocol`, `ssl.*`, `sasl.*`) reach the consumer, the
+    /// dead-letter producer and topic creation alike:
+    ///
+    /// ```
+    /// # use idemq::source::kafka::KafkaConfig;
+    /// let config = KafkaConfig::from_url(
+    ///     "kafka://broker.example:9094/payments?group=billing\
+    ///      &security.protocol=SASL_SSL&sasl.mechanism=SCRAM-SHA-512\
+    ///      &sasl.username=billing&sasl.password=s3cret\
+    ///      &ssl.ca.location=/etc/kafka/ca.crt",
+    /// )?;
+    /// assert_eq!(config.group, "billing");
+    /// # Ok::<(), idemq::SourceError>(())
+    /// ```
+    ///
+    /// Mutual TLS: `security.protocol=SSL&ssl.certificate.location=…&ssl.key.location=…`.
+    /// A refused password or a certificate that does not verify is a
+    /// [configuration error](crate::SourceErrorKind::Config) when connecting.
     pub fn from_url(url: &str) -> Result<Self, SourceError> {
         let u = BrokerUrl::parse("Kafka", "kafka", url)?;
         let topic = u.require_path("topic")?;
@@ -147,6 +168,21 @@ impl KafkaConfig {
         self
     }
 
+    /// How every client of this configuration — consumer, producer, admin —
+    /// reaches the cluster: the bootstrap servers and the connection
+    /// settings (`security.protocol`, `ssl.*`, `sasl.*`, `socket.*`,
+    /// `client.*`); the consumer-only settings stay with the consumer.
+    pub(super) fn connection(&self) -> ClientConfig {
+        let mut cc = ClientConfig::new();
+        cc.set("bootstrap.servers", &self.brokers);
+        for (name, value) in &self.settings {
+            if is_connection_setting(name) {
+                cc.set(name, value);
+            }
+        }
+        cc
+    }
+
     pub(super) fn client_config(&self) -> ClientConfig {
         let mut cc = ClientConfig::new();
         cc.set("bootstrap.servers", &self.brokers)
@@ -164,6 +200,20 @@ impl KafkaConfig {
         }
         cc
     }
+}
+
+/// Whether librdkafka setting `name` says how to reach the cluster (and so
+/// belongs to producers and admin clients as much as to the consumer).
+fn is_connection_setting(name: &str) -> bool {
+    const PREFIXES: [&str; 6] = [
+        "security.",
+        "ssl.",
+        "sasl.",
+        "socket.",
+        "client.",
+        "enable.ssl.",
+    ];
+    PREFIXES.iter().any(|prefix| name.starts_with(prefix))
 }
 
 pub(super) fn validate_topic(topic: &str) -> Result<(), String> {
@@ -226,6 +276,21 @@ mod tests {
                 "{url} should be rejected"
             );
         }
+    }
+
+    #[test]
+    fn connection_settings_reach_every_client() {
+        let c = KafkaConfig::from_url(
+            "kafka://localhost:9094/t?group=g&security.protocol=SASL_SSL&sasl.mechanism=PLAIN&ssl.ca.location=/ca.crt&heartbeat.interval.ms=500",
+        )
+        .unwrap();
+        let connection = c.connection();
+        assert_eq!(connection.get("security.protocol"), Some("SASL_SSL"));
+        assert_eq!(connection.get("sasl.mechanism"), Some("PLAIN"));
+        assert_eq!(connection.get("ssl.ca.location"), Some("/ca.crt"));
+        assert_eq!(connection.get("heartbeat.interval.ms"), None);
+        assert_eq!(connection.get("group.id"), None);
+        assert_eq!(c.client_config().get("heartbeat.interval.ms"), Some("500"));
     }
 
     #[test]

@@ -104,6 +104,7 @@
 
 mod acker;
 mod config;
+mod connection;
 mod partition;
 mod poller;
 mod publisher;

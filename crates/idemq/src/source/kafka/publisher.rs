@@ -3,84 +3,135 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use rdkafka::config::ClientConfig;
+use rdkafka::admin::AdminClient;
+use rdkafka::client::DefaultClientContext;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use rdkafka::util::Timeout;
 
 use super::config::validate_topic;
-use super::{broker, MESSAGE_ID_HEADER};
+use super::connection::{fetch_metadata, RefusalContext};
+use super::{broker, KafkaConfig, MESSAGE_ID_HEADER};
 use crate::error::SourceError;
 use crate::message::Message;
 use crate::source::Publisher;
 
 /// Creates `topic` with `partitions` partitions (replication factor 1) on
 /// `brokers` unless it exists; whether it was created. For brokers without
-/// topic auto-creation (locked-down clusters), tests and demos.
+/// topic auto-creation (locked-down clusters), tests and demos. A cluster
+/// that needs TLS or credentials: [`KafkaConfig::create_topic`].
 pub async fn create_topic(
     brokers: &str,
     topic: &str,
     partitions: i32,
 ) -> Result<bool, SourceError> {
-    use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
-    use rdkafka::types::RDKafkaErrorCode;
-
-    validate_topic(topic).map_err(SourceError::config)?;
-    let admin = admin_client(brokers)?;
-    let results = admin
-        .create_topics(
-            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
-            &AdminOptions::new().request_timeout(Some(Duration::from_secs(30))),
-        )
+    KafkaConfig::new(brokers, topic, "")
+        .create_topic(partitions)
         .await
-        .map_err(broker)?;
-    match results.into_iter().next() {
-        Some(Ok(_)) => Ok(true),
-        Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) | None => Ok(false),
-        Some(Err((name, code))) => Err(SourceError::broker(format!(
-            "creating topic {name:?}: {code}"
-        ))),
-    }
 }
 
-/// Deletes `topic` with its records; a topic that does not exist is no error.
+/// Deletes `topic` with its records; a topic that does not exist is no
+/// error. A cluster that needs TLS or credentials: [`KafkaConfig::delete_topic`].
 pub async fn delete_topic(brokers: &str, topic: &str) -> Result<(), SourceError> {
-    use rdkafka::admin::AdminOptions;
-    use rdkafka::types::RDKafkaErrorCode;
+    KafkaConfig::new(brokers, topic, "").delete_topic().await
+}
 
-    validate_topic(topic).map_err(SourceError::config)?;
-    let admin = admin_client(brokers)?;
-    let results = admin
-        .delete_topics(
-            &[topic],
-            &AdminOptions::new().request_timeout(Some(Duration::from_secs(30))),
-        )
-        .await
-        .map_err(broker)?;
-    match results.into_iter().next() {
-        Some(Ok(_)) | Some(Err((_, RDKafkaErrorCode::UnknownTopicOrPartition))) | None => Ok(()),
-        Some(Err((name, code))) => Err(SourceError::broker(format!(
-            "deleting topic {name:?}: {code}"
-        ))),
+impl KafkaConfig {
+    /// Creates the topic with `partitions` partitions (replication factor 1)
+    /// unless it exists, connecting as this configuration says (TLS,
+    /// credentials); whether it was created.
+    pub async fn create_topic(&self, partitions: i32) -> Result<bool, SourceError> {
+        use rdkafka::admin::{NewTopic, TopicReplication};
+        use rdkafka::types::RDKafkaErrorCode;
+
+        validate_topic(&self.topic).map_err(SourceError::config)?;
+        let admin = admin_client(self).await?;
+        let results = admin
+            .create_topics(
+                &[NewTopic::new(
+                    &self.topic,
+                    partitions,
+                    TopicReplication::Fixed(1),
+                )],
+                &admin_options(),
+            )
+            .await
+            .map_err(broker)?;
+        match results.into_iter().next() {
+            Some(Ok(_)) => Ok(true),
+            Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) | None => Ok(false),
+            Some(Err((name, code))) => Err(SourceError::broker(format!(
+                "creating topic {name:?}: {code}"
+            ))),
+        }
+    }
+
+    /// Deletes the topic with its records; a topic that does not exist is no error.
+    pub async fn delete_topic(&self) -> Result<(), SourceError> {
+        use rdkafka::types::RDKafkaErrorCode;
+
+        validate_topic(&self.topic).map_err(SourceError::config)?;
+        let admin = admin_client(self).await?;
+        let results = admin
+            .delete_topics(&[&self.topic], &admin_options())
+            .await
+            .map_err(broker)?;
+        match results.into_iter().next() {
+            Some(Ok(_)) | Some(Err((_, RDKafkaErrorCode::UnknownTopicOrPartition))) | None => {
+                Ok(())
+            }
+            Some(Err((name, code))) => Err(SourceError::broker(format!(
+                "deleting topic {name:?}: {code}"
+            ))),
+        }
     }
 }
 
-fn admin_client(
-    brokers: &str,
-) -> Result<rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>, SourceError> {
-    ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+fn admin_options() -> rdkafka::admin::AdminOptions {
+    rdkafka::admin::AdminOptions::new().request_timeout(Some(Duration::from_secs(30)))
+}
+
+/// An admin client for a cluster a producer reached first: nothing polls an
+/// admin client's error events, so a refusal would only show as a timeout.
+async fn admin_client(
+    config: &KafkaConfig,
+) -> Result<AdminClient<DefaultClientContext>, SourceError> {
+    drop(connected_producer(config).await?);
+    config
+        .connection()
         .create()
         .map_err(|e| SourceError::config(format!("kafka admin client: {e}")))
 }
 
-pub(super) fn producer(brokers: &str) -> Result<FutureProducer, SourceError> {
-    ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+/// The producer of publishers and dead-letter topics: idempotent, every
+/// write acknowledged by all in-sync replicas.
+pub(super) type Producer = FutureProducer<RefusalContext>;
+
+/// A [`Producer`] connecting as `config` says, reporting refusals to `refusals`.
+pub(super) fn producer(
+    config: &KafkaConfig,
+    refusals: RefusalContext,
+) -> Result<Producer, SourceError> {
+    config
+        .connection()
         .set("enable.idempotence", "true")
         .set("acks", "all")
-        .create()
+        .create_with_context(refusals)
         .map_err(|e| SourceError::config(format!("kafka producer: {e}")))
+}
+
+/// A [`Producer`] once the cluster answered its metadata request (see
+/// [`fetch_metadata`]): a refused password or certificate is a
+/// configuration error.
+async fn connected_producer(config: &KafkaConfig) -> Result<Producer, SourceError> {
+    let refusals = RefusalContext::default();
+    let producer = producer(config, refusals.clone())?;
+    tokio::task::spawn_blocking(move || {
+        fetch_metadata(producer.client(), None, || refusals.refusal())?;
+        Ok(producer)
+    })
+    .await
+    .map_err(|e| SourceError::other(e.to_string()))?
 }
 
 /// Publishes [`Message`]s to a Kafka topic with an idempotent producer.
@@ -92,7 +143,7 @@ pub(super) fn producer(brokers: &str) -> Result<FutureProducer, SourceError> {
 /// [`KafkaSource`]: super::KafkaSource
 #[derive(Clone)]
 pub struct KafkaPublisher {
-    producer: FutureProducer,
+    producer: Producer,
     topic: String,
 }
 
@@ -106,11 +157,19 @@ impl std::fmt::Debug for KafkaPublisher {
 
 impl KafkaPublisher {
     /// An idempotent producer for `topic` on `brokers` (`host:port[,…]`).
+    /// A cluster that needs TLS or credentials: [`KafkaPublisher::with_config`].
     pub async fn connect(brokers: &str, topic: &str) -> Result<Self, SourceError> {
-        validate_topic(topic).map_err(SourceError::config)?;
+        Self::with_config(&KafkaConfig::new(brokers, topic, "")).await
+    }
+
+    /// An idempotent producer for the configuration's topic, connecting as
+    /// it says (TLS, credentials); waits until the cluster answers, and a
+    /// refused password or certificate is a configuration error.
+    pub async fn with_config(config: &KafkaConfig) -> Result<Self, SourceError> {
+        validate_topic(&config.topic).map_err(SourceError::config)?;
         Ok(Self {
-            producer: producer(brokers)?,
-            topic: topic.to_owned(),
+            producer: connected_producer(config).await?,
+            topic: config.topic.clone(),
         })
     }
 }

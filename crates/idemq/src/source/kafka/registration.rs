@@ -24,7 +24,7 @@ impl BrokerConfig for KafkaConfig {
 
     /// Deletes the topic.
     async fn remove(self) -> Result<(), SourceError> {
-        super::delete_topic(&self.brokers, &self.topic).await
+        self.delete_topic().await
     }
 }
 
@@ -38,8 +38,8 @@ impl ConnectWith<KafkaConfig> for KafkaPublisher {
     /// Creates the topic first when the URL asks for it (`create_partitions`).
     async fn connect_with(config: KafkaConfig) -> Result<Self, SourceError> {
         if let Some(partitions) = config.create_partitions {
-            super::create_topic(&config.brokers, &config.topic, partitions).await?;
+            config.create_topic(partitions).await?;
         }
-        Self::connect(&config.brokers, &config.topic).await
+        Self::with_config(&config).await
     }
 }

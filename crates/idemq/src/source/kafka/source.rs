@@ -11,17 +11,17 @@ use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, RebalanceProtocol,
 };
 use rdkafka::error::{KafkaError, KafkaResult};
-use rdkafka::producer::FutureProducer;
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::sync::Notify;
 
 use super::acker::{Held, KafkaAcker};
 use super::config::validate_topic;
+use super::connection::{fetch_metadata, RefusalContext};
 use super::partition::{Partition, Record, State};
 use super::poller::Poller;
-use super::publisher::producer;
-use super::{broker, create_topic, KafkaConfig};
+use super::publisher::{producer, Producer};
+use super::{broker, KafkaConfig};
 use crate::error::SourceError;
 use crate::message::DeliveryMeta;
 use crate::source::kit::Unsettled;
@@ -290,9 +290,14 @@ impl Shared {
 /// The consumer context: commits settled offsets of revoked partitions before they go.
 pub(super) struct KafkaContext {
     shared: Arc<Shared>,
+    refusals: RefusalContext,
 }
 
-impl ClientContext for KafkaContext {}
+impl ClientContext for KafkaContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.refusals.note(&error, reason);
+    }
+}
 
 impl ConsumerContext for KafkaContext {
     /// A refused commit is sent again by the next ack or the revocation.
@@ -363,7 +368,7 @@ pub(super) type KafkaConsumer = BaseConsumer<KafkaContext>;
 pub struct KafkaSource {
     shared: Arc<Shared>,
     consumer: Weak<KafkaConsumer>,
-    dead_letters: Option<(FutureProducer, String)>,
+    dead_letters: Option<(Producer, String)>,
     stop: Arc<AtomicBool>,
 }
 
@@ -384,7 +389,7 @@ impl KafkaSource {
             return Err(SourceError::config("a consumer group is required"));
         }
         if let Some(partitions) = config.create_partitions {
-            create_topic(&config.brokers, &config.topic, partitions).await?;
+            config.create_topic(partitions).await?;
         }
         let shared = Arc::new(Shared {
             topic: config.topic.clone(),
@@ -398,8 +403,10 @@ impl KafkaSource {
             resume: Mutex::new(None),
             counters: Arc::default(),
         });
+        let refusals = RefusalContext::default();
         let context = KafkaContext {
             shared: Arc::clone(&shared),
+            refusals: refusals.clone(),
         };
         let consumer: KafkaConsumer = config
             .client_config()
@@ -409,9 +416,13 @@ impl KafkaSource {
         let topic = config.topic.clone();
         let check = Arc::clone(&consumer);
         let consumer = tokio::task::spawn_blocking(move || {
-            let metadata = check
-                .fetch_metadata(Some(&topic), Duration::from_secs(10))
-                .map_err(broker)?;
+            // Not subscribed yet: a poll only brings the client's errors,
+            // which reach the context.
+            let refused = || {
+                while check.poll(Duration::ZERO).is_some() {}
+                refusals.refusal()
+            };
+            let metadata = fetch_metadata(check.client(), Some(&topic), refused)?;
             let found = metadata
                 .topics()
                 .iter()
@@ -430,7 +441,7 @@ impl KafkaSource {
         let dead_letters = match &config.dead_letter_topic {
             Some(topic) => {
                 validate_topic(topic).map_err(SourceError::config)?;
-                Some((producer(&config.brokers)?, topic.clone()))
+                Some((producer(&config, Default::default())?, topic.clone()))
             }
             None => None,
         };
