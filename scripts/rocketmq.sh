@@ -2,7 +2,9 @@
 # Makes sure Apache RocketMQ answers for the `rocketmq` tests, the chaos cells
 # and the benchmark: a name server on 127.0.0.1:9876 and one broker on
 # 127.0.0.1:10911, run from their Maven Central artifacts with the machine's
-# Java 17.
+# Java 17; and a second pair with authentication on (ACL 2.0) for the ACL
+# tests: name server 127.0.0.1:9877, broker 127.0.0.1:10921, user idemq with
+# password (secret key) idemq-secret.
 #
 # Once: `mvn dependency:copy-dependencies` resolves their class path
 # (scripts/jvm/rocketmq/pom.xml) into ${IDEMQ_TOOLS:-$HOME/.idemq-tools}/rocketmq/lib-VERSION.
@@ -28,8 +30,14 @@ NAMESRV_LOG="$RUN/namesrv.log"
 BROKER_PID="$RUN/broker.pid"
 BROKER_LOG="$RUN/broker.log"
 
-if port_open "$HOST" "$NAMESRV_PORT" && port_open "$HOST" "$BROKER_PORT"; then
-  echo "rocketmq: the name server ($HOST:$NAMESRV_PORT) and the broker ($HOST:$BROKER_PORT) already answer"
+ACL_NAMESRV_PORT=9877
+ACL_BROKER_PORT=10921
+ACL_USER=idemq
+ACL_PASSWORD=idemq-secret
+
+if port_open "$HOST" "$NAMESRV_PORT" && port_open "$HOST" "$BROKER_PORT" &&
+  port_open "$HOST" "$ACL_NAMESRV_PORT" && port_open "$HOST" "$ACL_BROKER_PORT"; then
+  echo "rocketmq: the name servers ($HOST:$NAMESRV_PORT, $HOST:$ACL_NAMESRV_PORT) and the brokers ($HOST:$BROKER_PORT, $HOST:$ACL_BROKER_PORT) already answer"
   exit 0
 fi
 
@@ -50,62 +58,100 @@ if [ ! -f "$LIB/.complete" ]; then
   touch "$LIB/.complete"
 fi
 
-cat >"$RUN/namesrv.conf" <<CONF
-listenPort=$NAMESRV_PORT
+# name_conf NAME PORT: the configuration of name server NAME.
+name_conf() {
+  cat >"$RUN/$1.conf" <<CONF
+listenPort=$2
 bindAddress=$HOST
 CONF
-cat >"$RUN/broker.conf" <<CONF
-brokerClusterName=DefaultCluster
-brokerName=broker-a
+}
+# broker_conf NAME BROKER_PORT NAMESRV_PORT [EXTRA…]: the configuration of
+# broker NAME, with its own store; each EXTRA is one more line.
+broker_conf() {
+  local name=$1 port=$2 namesrv=$3
+  shift 3
+  {
+    cat <<CONF
+brokerClusterName=${name}Cluster
+brokerName=$name
 brokerId=0
 brokerRole=ASYNC_MASTER
 flushDiskType=ASYNC_FLUSH
-namesrvAddr=$HOST:$NAMESRV_PORT
+namesrvAddr=$HOST:$namesrv
 brokerIP1=$HOST
 bindAddress=$HOST
-listenPort=$BROKER_PORT
-storePathRootDir=$RUN/store
-storePathCommitLog=$RUN/store/commitlog
+listenPort=$port
+storePathRootDir=$RUN/$name-store
+storePathCommitLog=$RUN/$name-store/commitlog
 autoCreateTopicEnable=true
 autoCreateSubscriptionGroup=true
 defaultTopicQueueNums=4
 mappedFileSizeCommitLog=134217728
 diskMaxUsedSpaceRatio=95
 CONF
+    printf '%s\n' "$@"
+  } >"$RUN/$name.conf"
+}
 
 # Java 17 needs these for RocketMQ's direct-buffer and reflection use.
 JAVA_COMMON=(-XX:+UseG1GC -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true
-  "-Duser.home=$RUN" "-Drocketmq.home.dir=$RUN"
+  "-Drocketmq.home.dir=$RUN"
   --add-opens=java.base/java.nio=ALL-UNNAMED --add-opens=java.base/sun.nio.ch=ALL-UNNAMED
   --add-opens=java.base/java.lang=ALL-UNNAMED --add-opens=java.base/jdk.internal.misc=ALL-UNNAMED
   --add-exports=java.base/sun.nio.ch=ALL-UNNAMED --add-exports=java.base/jdk.internal.ref=ALL-UNNAMED)
 export ROCKETMQ_HOME="$RUN"
+# Where server NAME keeps its own logs (HOME/logs/rocketmqlogs): $RUN for
+# the plain pair, $RUN/acl for the pair with authentication.
+home_of() { case $1 in acl-*) echo "$RUN/acl" ;; *) echo "$RUN" ;; esac; }
 
-namesrv_ready() { port_open "$HOST" "$NAMESRV_PORT"; }
-broker_ready() { port_open "$HOST" "$BROKER_PORT" && grep -q 'boot success' "$BROKER_LOG"; }
-
-if ! namesrv_ready; then
-  if pid_alive "$NAMESRV_PID"; then
-    echo "rocketmq: the name server (pid $(live_pid "$NAMESRV_PID")) is starting; waiting for it"
+# start_namesrv NAME PORT: starts name server NAME unless it answers.
+start_namesrv() {
+  local name=$1 port=$2
+  port_open "$HOST" "$port" && return 0
+  if pid_alive "$RUN/$name.pid"; then
+    echo "rocketmq: the name server $name (pid $(live_pid "$RUN/$name.pid")) is starting; waiting for it"
   else
-    echo "rocketmq: starting the Apache RocketMQ $VERSION name server on $HOST:$NAMESRV_PORT (log $NAMESRV_LOG)"
-    spawn "$NAMESRV_PID" "$NAMESRV_LOG" java -Xms128m "-Xmx${ROCKETMQ_NAMESRV_HEAP:-256m}" "${JAVA_COMMON[@]}" \
-      -cp "$LIB/*" org.apache.rocketmq.namesrv.NamesrvStartup -c "$RUN/namesrv.conf"
+    name_conf "$name" "$port"
+    echo "rocketmq: starting the Apache RocketMQ $VERSION name server on $HOST:$port (log $RUN/$name.log)"
+    spawn "$RUN/$name.pid" "$RUN/$name.log" java -Xms128m "-Xmx${ROCKETMQ_NAMESRV_HEAP:-256m}" "${JAVA_COMMON[@]}" "-Duser.home=$(home_of "$name")" \
+      -cp "$LIB/*" org.apache.rocketmq.namesrv.NamesrvStartup -c "$RUN/$name.conf"
   fi
-fi
-wait_until "RocketMQ name server" 90 "$NAMESRV_PID" "$NAMESRV_LOG" namesrv_ready
-
-if ! port_open "$HOST" "$BROKER_PORT"; then
-  if pid_alive "$BROKER_PID"; then
-    echo "rocketmq: the broker (pid $(live_pid "$BROKER_PID")) is starting; waiting for it"
+}
+# start_broker NAME PORT NAMESRV_PORT HEAP [EXTRA…]: starts broker NAME with
+# an empty store unless it answers.
+start_broker() {
+  local name=$1 port=$2 namesrv=$3 heap=$4
+  shift 4
+  port_open "$HOST" "$port" && return 0
+  if pid_alive "$RUN/$name.pid"; then
+    echo "rocketmq: the broker $name (pid $(live_pid "$RUN/$name.pid")) is starting; waiting for it"
   else
-    rm -rf "$RUN/store"
-    mkdir -p "$RUN/store"
-    echo "rocketmq: starting the Apache RocketMQ $VERSION broker on $HOST:$BROKER_PORT (empty store; log $BROKER_LOG)"
-    spawn "$BROKER_PID" "$BROKER_LOG" java -Xms256m "-Xmx${ROCKETMQ_BROKER_HEAP:-768m}" \
-      -XX:MaxDirectMemorySize=512m "${JAVA_COMMON[@]}" \
-      -cp "$LIB/*" org.apache.rocketmq.broker.BrokerStartup -c "$RUN/broker.conf" -n "$HOST:$NAMESRV_PORT"
+    broker_conf "$name" "$port" "$namesrv" "$@"
+    rm -rf "$RUN/$name-store"
+    mkdir -p "$RUN/$name-store"
+    echo "rocketmq: starting the Apache RocketMQ $VERSION broker on $HOST:$port (empty store; log $RUN/$name.log)"
+    spawn "$RUN/$name.pid" "$RUN/$name.log" java -Xms256m "-Xmx$heap" \
+      -XX:MaxDirectMemorySize=512m "${JAVA_COMMON[@]}" "-Duser.home=$(home_of "$name")" \
+      -cp "$LIB/*" org.apache.rocketmq.broker.BrokerStartup -c "$RUN/$name.conf" -n "$HOST:$namesrv"
   fi
-fi
-wait_until "RocketMQ broker" 120 "$BROKER_PID" "$BROKER_LOG" broker_ready
-echo "rocketmq: Apache RocketMQ $VERSION: name server $HOST:$NAMESRV_PORT and broker $HOST:$BROKER_PORT answer"
+}
+answers() { port_open "$HOST" "$1"; }
+booted() { port_open "$HOST" "$1" && grep -q 'boot success' "$RUN/$2.log"; }
+
+start_namesrv namesrv "$NAMESRV_PORT"
+start_namesrv acl-namesrv "$ACL_NAMESRV_PORT"
+wait_until "RocketMQ name server" 90 "$RUN/namesrv.pid" "$RUN/namesrv.log" answers "$NAMESRV_PORT"
+wait_until "RocketMQ name server (ACL)" 90 "$RUN/acl-namesrv.pid" "$RUN/acl-namesrv.log" answers "$ACL_NAMESRV_PORT"
+start_broker broker "$BROKER_PORT" "$NAMESRV_PORT" "${ROCKETMQ_BROKER_HEAP:-768m}"
+# Authentication (ACL 2.0): every request signed by a known user; the user
+# is made at start-up in the broker's own metadata store (kept with its store).
+start_broker acl-broker "$ACL_BROKER_PORT" "$ACL_NAMESRV_PORT" "${ROCKETMQ_ACL_BROKER_HEAP:-384m}" \
+  authenticationEnabled=true \
+  authenticationProvider=org.apache.rocketmq.auth.authentication.provider.DefaultAuthenticationProvider \
+  authenticationMetadataProvider=org.apache.rocketmq.auth.authentication.provider.LocalAuthenticationMetadataProvider \
+  "authConfigPath=$RUN/acl-broker-store/auth" \
+  "initAuthenticationUser={\"username\":\"$ACL_USER\",\"password\":\"$ACL_PASSWORD\"}" \
+  "innerClientAuthenticationCredentials={\"accessKey\":\"$ACL_USER\",\"secretKey\":\"$ACL_PASSWORD\"}"
+wait_until "RocketMQ broker" 120 "$RUN/broker.pid" "$RUN/broker.log" booted "$BROKER_PORT" broker
+wait_until "RocketMQ broker (ACL)" 120 "$RUN/acl-broker.pid" "$RUN/acl-broker.log" booted "$ACL_BROKER_PORT" acl-broker
+echo "rocketmq: Apache RocketMQ $VERSION: name server $HOST:$NAMESRV_PORT and broker $HOST:$BROKER_PORT answer; with authentication, $HOST:$ACL_NAMESRV_PORT and $HOST:$ACL_BROKER_PORT"

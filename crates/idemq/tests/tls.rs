@@ -12,7 +12,9 @@
 //! certificate (`$IDEMQ_TOOLS/nats/root.crt`); MQTT over `mqtts://` against
 //! a Mosquitto this file starts; RabbitMQ over `amqps://` on the local
 //! RabbitMQ's TLS port; Kafka over SASL_SSL (PLAIN and SCRAM) and mutual
-//! TLS on the local broker's TLS listeners (`scripts/kafka.sh`).
+//! TLS on the local broker's TLS listeners (`scripts/kafka.sh`); RocketMQ
+//! with ACL credentials on the local broker with authentication
+//! (`scripts/rocketmq.sh`).
 #![cfg(all(feature = "postgres", feature = "mysql"))]
 
 mod support;
@@ -388,7 +390,8 @@ fn nats_url(server: &Spawned, auth: &str, params: &str) -> String {
     feature = "mqtt",
     feature = "amqp",
     feature = "redis-streams",
-    feature = "kafka"
+    feature = "kafka",
+    feature = "rocketmq"
 ))]
 async fn tls_round(url: &str) {
     use idemq::source::registry;
@@ -441,7 +444,8 @@ async fn tls_round(url: &str) {
     feature = "mqtt",
     feature = "amqp",
     feature = "redis-streams",
-    feature = "kafka"
+    feature = "kafka",
+    feature = "rocketmq"
 ))]
 async fn assert_refused(url: &str, secret: &str) {
     let broker = idemq::source::registry::lookup(url).unwrap().unwrap();
@@ -620,4 +624,20 @@ async fn kafka_over_mutual_tls_delivers_once() {
     );
     tls_round(&kafka_url(9095, &format!("{ca}{identity}"))).await;
     assert_refused(&kafka_url(9095, &ca), "client.key").await;
+}
+
+/// RocketMQ with ACL credentials (the access key and secret key as the
+/// URL's user and password) on the local broker with authentication: every
+/// payment handled once. A wrong secret key, an unknown access key and no
+/// credentials at all are configuration errors when the consumer starts
+/// that do not show the secret.
+#[cfg(feature = "rocketmq")]
+#[tokio::test]
+async fn rocketmq_with_acl_credentials_delivers_once() {
+    let topic = support::unique("tls").replace('-', "_");
+    let url = |auth: &str| format!("rocketmq://{auth}127.0.0.1:9877/{topic}?group={topic}_g");
+    tls_round(&url("idemq:idemq-secret@")).await;
+    assert_refused(&url("idemq:wrong-s3cret@"), "wrong-s3cret").await;
+    assert_refused(&url("stranger:idemq-secret@"), "idemq-secret").await;
+    assert_refused(&url(""), "idemq-secret").await;
 }

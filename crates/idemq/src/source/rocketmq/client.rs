@@ -5,15 +5,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rocketmq_client_rust::{
-    ClientConfig, ClientRuntime, ClientRuntimeConfig, DefaultMQProducer, DefaultMQPushConsumer,
-    MQPushConsumer, TelemetryHandle,
+    AclClientRPCHook, ClientConfig, ClientRuntime, ClientRuntimeConfig, DefaultMQProducer,
+    DefaultMQPushConsumer, MQPushConsumer, SessionCredentials, TelemetryHandle,
 };
 use rocketmq_model::common::consumer::consume_from_where::ConsumeFromWhere;
 use rocketmq_model::common::message::message_single::Message as RmqMessage;
 use rocketmq_runtime::{RuntimeConfig, RuntimeOwner};
 use tokio::sync::mpsc;
 
-use super::config::{RocketMqConfig, StartFrom};
+use super::config::{AclCredentials, RocketMqConfig, StartFrom};
 use super::source::Listener;
 use crate::error::SourceError;
 
@@ -22,6 +22,35 @@ const SEND_TIMEOUT_MS: u64 = 10_000;
 
 fn broker(e: impl std::fmt::Display) -> SourceError {
     SourceError::broker(e.to_string())
+}
+
+/// Where a client connects, and as whom.
+#[derive(Clone)]
+pub(super) struct Connection {
+    /// Name server addresses, `host:port[;host:port…]`.
+    pub(super) name_server: String,
+    /// The ACL credentials every request is signed with, if any.
+    pub(super) credentials: Option<AclCredentials>,
+}
+
+impl Connection {
+    /// Where `config` says to connect, and as whom.
+    pub(super) fn of(config: &RocketMqConfig) -> Self {
+        Self {
+            name_server: config.name_server.clone(),
+            credentials: config.credentials.clone(),
+        }
+    }
+
+    /// The signing hook of the credentials, if any.
+    fn signer(&self) -> Option<Arc<AclClientRPCHook>> {
+        self.credentials.as_ref().map(|c| {
+            Arc::new(AclClientRPCHook::new(SessionCredentials::with_keys(
+                c.access_key.as_str(),
+                c.secret_key(),
+            )))
+        })
+    }
 }
 
 /// What the consumer side of a client thread needs.
@@ -74,7 +103,7 @@ impl Client {
     /// Starts the client thread and waits until the producer (if
     /// `producer`) and the consumer (if `consumer`) have started.
     pub(super) async fn start(
-        name_server: String,
+        connection: Connection,
         producer: bool,
         consumer: Option<ConsumerSetup>,
     ) -> Result<(Self, Option<Producer>), SourceError> {
@@ -86,7 +115,7 @@ impl Client {
             .name("idemq-rocketmq".into())
             .spawn(move || {
                 client_thread(
-                    name_server,
+                    connection,
                     producer,
                     consumer,
                     ClientChannels {
@@ -132,7 +161,7 @@ struct ClientChannels {
 
 /// The client thread's body.
 fn client_thread(
-    name_server: String,
+    connection: Connection,
     want_producer: bool,
     consumer: Option<ConsumerSetup>,
     channels: ClientChannels,
@@ -150,13 +179,7 @@ fn client_thread(
             return;
         }
     };
-    owner.block_on(drive(
-        name_server,
-        want_producer,
-        consumer,
-        channels,
-        &owner,
-    ));
+    owner.block_on(drive(connection, want_producer, consumer, channels, &owner));
     if let Err(e) = owner.shutdown_runtime_blocking_with_timeout(Duration::from_secs(5)) {
         tracing::debug!(error = %e, "RocketMQ client runtime shutdown");
     }
@@ -203,7 +226,7 @@ fn client_config(name_server: &str) -> ClientConfig {
 }
 
 async fn drive(
-    name_server: String,
+    connection: Connection,
     want_producer: bool,
     consumer: Option<ConsumerSetup>,
     channels: ClientChannels,
@@ -235,11 +258,14 @@ async fn drive(
     let mut push = None;
     let mut started: Result<(), SourceError> = Ok(());
     if want_producer {
-        let mut p = DefaultMQProducer::builder(Arc::clone(&client))
-            .client_config(client_config(&name_server))
+        let mut builder = DefaultMQProducer::builder(Arc::clone(&client))
+            .client_config(client_config(&connection.name_server))
             .producer_group(format!("idemq_producer_{}", uuid::Uuid::new_v4().simple()))
-            .send_msg_timeout(SEND_TIMEOUT_MS as u32)
-            .build();
+            .send_msg_timeout(SEND_TIMEOUT_MS as u32);
+        if let Some(signer) = connection.signer() {
+            builder = builder.rpc_hook(signer);
+        }
+        let mut p = builder.build();
         match p.start().await {
             Ok(()) => producer = Some(p),
             Err(e) => started = Err(broker(format!("starting the RocketMQ producer: {e}"))),
@@ -249,7 +275,8 @@ async fn drive(
         let config = setup.config;
         let timeout_minutes = config.consume_timeout.as_secs().div_ceil(60).max(1) + 1;
         let mut c = DefaultMQPushConsumer::builder(Arc::clone(&client))
-            .client_config(client_config(&name_server))
+            .client_config(client_config(&connection.name_server))
+            .rpc_hook(connection.signer().map(|s| s as _))
             .consumer_group(config.group.as_str())
             .consume_from_where(match config.start_from {
                 StartFrom::Earliest => ConsumeFromWhere::ConsumeFromFirstOffset,
@@ -266,16 +293,20 @@ async fn drive(
             c.subscribe(config.topic.as_str(), config.tags.as_str())
                 .await?;
             c.register_message_listener_concurrently(setup.listener);
-            c.start().await
+            c.start().await?;
+            probe(&mut c, &config.topic).await
         }
         .await;
         match result {
             Ok(()) => push = Some(c),
             Err(e) => {
-                started = Err(broker(format!(
-                    "starting the RocketMQ consumer of {:?} in group {:?}: {e}",
-                    config.topic, config.group
-                )));
+                started = Err(client_error(
+                    format!(
+                        "starting the RocketMQ consumer of {:?} in group {:?}",
+                        config.topic, config.group
+                    ),
+                    e,
+                ));
                 c.shutdown().await;
             }
         }
@@ -299,7 +330,7 @@ async fn drive(
                                 "publishing to {:?}: the broker returned no send result",
                                 request.topic
                             ))),
-                            Err(e) => Err(broker(format!("publishing to {:?}: {e}", request.topic))),
+                            Err(e) => Err(client_error(format!("publishing to {:?}", request.topic), e)),
                         },
                         None => Err(SourceError::other("this RocketMQ client has no producer")),
                     };
@@ -318,5 +349,52 @@ async fn drive(
     let report = client.shutdown().await;
     if !report.is_healthy() {
         tracing::debug!(report = %report.to_json(), "RocketMQ client shutdown report");
+    }
+}
+
+/// Asks the broker for the end of one of the topic's queues: a request the
+/// broker authenticates, so that refused credentials show when the consumer
+/// starts, not as pulls that fail forever after. A topic without a route
+/// (not created yet) is not probed.
+async fn probe(
+    consumer: &mut DefaultMQPushConsumer,
+    topic: &str,
+) -> rocketmq_client_rust::ClientResult<()> {
+    let queues = match consumer.fetch_subscribe_message_queues(topic).await {
+        Ok(queues) => queues,
+        Err(e) => {
+            tracing::debug!(topic, error = %e, "no route to probe the RocketMQ broker with");
+            return Ok(());
+        }
+    };
+    if let Some(queue) = queues.first() {
+        consumer.max_offset(queue).await?;
+    }
+    Ok(())
+}
+
+/// The broker's answer to a request it does not allow: unknown credentials,
+/// a wrong signature, or a user without the permission.
+const NO_PERMISSION: i64 = 16;
+
+/// `error` of the client, in `doing`: a configuration error when the broker
+/// refused the credentials, a broker error otherwise.
+fn client_error(doing: String, error: rocketmq_client_rust::ClientError) -> SourceError {
+    if broker_code(&error) == Some(NO_PERMISSION) {
+        SourceError::config(format!(
+            "{doing}: the broker refused this client (NO_PERMISSION): check the access key and secret key (rocketmq://ACCESS_KEY:SECRET_KEY@…) and the user's permissions"
+        ))
+    } else {
+        broker(format!("{doing}: {error}"))
+    }
+}
+
+/// The response code the broker answered `error` with, if it answered.
+fn broker_code(error: &rocketmq_client_rust::ClientError) -> Option<i64> {
+    let view = error.diagnostic_view().ok()?;
+    let field = view.fields().find(|f| f.name() == "broker_code")?;
+    match field.value() {
+        rocketmq_error::ViewValueRef::I64(code) => Some(code),
+        _ => None,
     }
 }

@@ -112,7 +112,7 @@ mod registration;
 mod source;
 
 pub use acker::DEAD_LETTER_REASON_PROPERTY;
-pub use config::{RocketMqConfig, StartFrom};
+pub use config::{AclCredentials, RocketMqConfig, StartFrom};
 pub use mapping::{default_key_spec, KEYS_PROPERTY, UNIQ_KEY_PROPERTY};
 pub use publisher::RocketMqPublisher;
 pub use registration::BROKER;

@@ -2,7 +2,7 @@
 
 use async_trait::async_trait;
 
-use super::client::{Client, Producer};
+use super::client::{Client, Connection, Producer};
 use super::config::{validate_name, RocketMqConfig};
 use super::mapping::outgoing;
 #[cfg(doc)]
@@ -38,19 +38,28 @@ impl std::fmt::Debug for RocketMqPublisher {
 
 impl RocketMqPublisher {
     /// A started producer for `topic` via the name servers `name_server`
-    /// (`host:port[;host:port…]`).
+    /// (`host:port[;host:port…]`). A cluster with authentication:
+    /// [`RocketMqPublisher::with_config`].
     pub async fn connect(name_server: &str, topic: &str) -> Result<Self, SourceError> {
-        validate_name("topic", topic, 127).map_err(SourceError::config)?;
-        if name_server.split(';').any(|s| s.trim().is_empty()) {
+        Self::with_config(&RocketMqConfig::new(name_server, topic, "")).await
+    }
+
+    /// A started producer for the configuration's topic via its name
+    /// servers, signing with its credentials (if any); the consumer's
+    /// settings are ignored.
+    pub async fn with_config(config: &RocketMqConfig) -> Result<Self, SourceError> {
+        validate_name("topic", &config.topic, 127).map_err(SourceError::config)?;
+        if config.name_server.split(';').any(|s| s.trim().is_empty()) {
             return Err(SourceError::config("RocketMQ: no name server address"));
         }
-        let (client, producer) = Client::start(name_server.to_owned(), true, None).await?;
+        let connection = Connection::of(config);
+        let (client, producer) = Client::start(connection, true, None).await?;
         let producer =
             producer.ok_or_else(|| SourceError::other("the RocketMQ producer did not start"))?;
         Ok(Self {
             producer,
             client,
-            topic: topic.to_owned(),
+            topic: config.topic.clone(),
         })
     }
 
@@ -60,7 +69,7 @@ impl RocketMqPublisher {
     /// and the group may be left out.
     pub async fn from_url(url: &str) -> Result<Self, SourceError> {
         let config = RocketMqConfig::parse(&RocketMqConfig::publisher_url(url))?;
-        Self::connect(&config.name_server, &config.topic).await
+        Self::with_config(&config).await
     }
 
     /// Shuts the producer down and waits until it has finished.

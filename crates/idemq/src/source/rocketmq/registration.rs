@@ -33,6 +33,6 @@ impl ConnectWith<RocketMqConfig> for RocketMqSource {
 
 impl ConnectWith<RocketMqConfig> for RocketMqPublisher {
     async fn connect_with(config: RocketMqConfig) -> Result<Self, SourceError> {
-        Self::connect(&config.name_server, &config.topic).await
+        Self::with_config(&config).await
     }
 }

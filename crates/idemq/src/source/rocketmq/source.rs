@@ -12,7 +12,7 @@ use rocketmq_model::common::message::message_ext::MessageExt;
 use tokio::sync::mpsc;
 
 use super::acker::{Reply, RocketMqAcker};
-use super::client::{Client, ConsumerSetup, Producer};
+use super::client::{Client, Connection, ConsumerSetup, Producer};
 use super::config::RocketMqConfig;
 use super::mapping::incoming;
 use crate::error::SourceError;
@@ -113,8 +113,9 @@ impl RocketMqSource {
         };
         let dead_letter_topic = config.dead_letter_topic.clone();
         let topic = config.topic.clone();
+        let connection = Connection::of(&config);
         let (client, producer) = Client::start(
-            config.name_server.clone(),
+            connection,
             dead_letter_topic.is_some(),
             Some(ConsumerSetup { config, listener }),
         )
