@@ -12,7 +12,7 @@
 #   :9095 SSL asking for a client certificate (mutual TLS).
 # Both serve a certificate for localhost signed by a local CA; clients verify
 # with $IDEMQ_TOOLS/kafka/root.crt and prove themselves with
-# $IDEMQ_TOOLS/kafka/tls/client.{crt,key}.
+# $IDEMQ_TOOLS/kafka/client.{crt,key}.
 # Every start: the data directory is wiped and formatted anew (tests use
 # throwaway topics; state left by a broker killed with an earlier session
 # never matters and never grows), then `java -cp … kafka.Kafka` starts in the
@@ -44,6 +44,14 @@ HEAP="${KAFKA_HEAP:-1g}"
 # directory is formatted anew at every start.
 CLUSTER_ID=MkU3OEVBNTcwNTJENDM2Qg
 
+mkdir -p "$RUN"
+TLS="$RUN/tls"
+tls_cert "$TLS" "$(id -un)"
+tls_client_cert "$TLS" "$(id -un)" "$RUN"
+cp -f "$TLS/ca.crt" "$RUN/root.crt"
+# Kafka reads a PEM key store as one file: the private key, then its chain.
+cat "$TLS/server.key" "$TLS/server.crt" >"$TLS/server.pem"
+chmod 600 "$TLS/server.pem"
 started() { port_open "$HOST" "$PORT" && port_open "$HOST" "$SSL_PORT" && grep -q 'Kafka Server started' "$LOG"; }
 
 if port_open "$HOST" "$PORT"; then
@@ -68,13 +76,6 @@ if [ ! -f "$LIB/.complete" ]; then
 fi
 
 mkdir -p "$RUN"
-TLS="$RUN/tls"
-tls_cert "$TLS" "$(id -un)"
-tls_client_cert "$TLS" "$(id -un)"
-cp -f "$TLS/ca.crt" "$RUN/root.crt"
-# Kafka reads a PEM key store as one file: the private key, then its chain.
-cat "$TLS/server.key" "$TLS/server.crt" >"$TLS/server.pem"
-chmod 600 "$TLS/server.pem"
 cat >"$RUN/log4j2.properties" <<'CONF'
 # Warnings and errors, plus the broker's start-up line (scripts/kafka.sh waits for it).
 status = warn

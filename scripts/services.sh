@@ -94,6 +94,27 @@ ready_postgres() {
   if ! psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'test'" | grep -q 1; then
     psql -h 127.0.0.1 -U postgres -qc "CREATE DATABASE test"
   fi
+  tls_client_cert "$PG_TLS" postgres "$PG_RUN" || return 1
+  # Role idemq-client logs in only over TLS with a client certificate of the
+  # local CA whose CN is its name (tests/tls.rs); first in pg_hba.conf.
+  if ! grep -q '^# idemq client certificate' "$PG_DATA/pg_hba.conf"; then
+    local hba
+    hba="$(cat "$PG_DATA/pg_hba.conf")"
+    printf '# idemq client certificate (scripts/services.sh)\nhostssl all idemq-client 127.0.0.1/32 cert\nhost all idemq-client 127.0.0.1/32 reject\n%s\n' \
+      "$hba" >"$PG_DATA/pg_hba.conf"
+  fi
+  # Client certificates are verified against the local CA; the role they log in as.
+  psql -h 127.0.0.1 -U postgres -d test -q >/dev/null <<SQL
+ALTER SYSTEM SET ssl_ca_file = '$PG_TLS/ca.crt';
+SELECT pg_reload_conf();
+DO \$\$ BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'idemq-client') THEN
+    CREATE ROLE "idemq-client" LOGIN;
+  END IF;
+END \$\$;
+GRANT ALL ON DATABASE test TO "idemq-client";
+GRANT ALL ON SCHEMA public TO "idemq-client";
+SQL
 }
 
 # ---- MariaDB --------------------------------------------------------------
@@ -118,11 +139,12 @@ start_mariadb() {
   cp -f "$MY_TLS/ca.crt" "$MY_RUN/root.crt"
   spawn_unless_alive "services: MariaDB" "$MY_PID" "$MY_LOG" /usr/sbin/mariadbd --user=mysql \
     --datadir=/var/lib/mysql --bind-address=127.0.0.1 --port=3306 \
-    --ssl-cert="$MY_TLS/server.crt" --ssl-key="$MY_TLS/server.key" \
+    --ssl-cert="$MY_TLS/server.crt" --ssl-key="$MY_TLS/server.key" --ssl-ca="$MY_TLS/ca.crt" \
     --socket=/run/mysqld/mysqld.sock --pid-file=/run/mysqld/mysqld.pid --log-error="$MY_RUN/error.log"
 }
 ready_mariadb() {
   wait_until MariaDB 90 "$MY_PID" "$MY_RUN/error.log" my_socket_answers || return 1
+  tls_client_cert "$MY_TLS" mysql "$MY_RUN" || return 1
   # Debian's root logs in by unix socket only; the tests log in over TCP as
   # root with an empty password (loopback only), with clients (sqlx) that do
   # not follow an authentication chain: plain mysql_native_password.
@@ -132,6 +154,9 @@ CREATE USER IF NOT EXISTS 'root'@'127.0.0.1' IDENTIFIED BY '';
 GRANT ALL PRIVILEGES ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION;
 CREATE USER IF NOT EXISTS 'root'@'::1' IDENTIFIED BY '';
 GRANT ALL PRIVILEGES ON *.* TO 'root'@'::1' WITH GRANT OPTION;
+-- Logs in only with a client certificate of the local CA (tests/tls.rs).
+CREATE USER IF NOT EXISTS 'idemq-client'@'127.0.0.1' REQUIRE SUBJECT '/CN=idemq-client';
+GRANT ALL PRIVILEGES ON test.* TO 'idemq-client'@'127.0.0.1';
 FLUSH PRIVILEGES;
 SQL
   wait_until MariaDB 30 "$MY_PID" "$MY_RUN/error.log" my_answers || return 1
@@ -150,15 +175,19 @@ start_redis() {
   rd_answers >/dev/null 2>&1 && return 0
   mkdir -p "$RD_RUN"
   # TLS on a second port, 6380 (rediss://; a client that verifies uses
-  # $RD_RUN/root.crt); no client certificates asked for.
+  # $RD_RUN/root.crt); a client certificate is verified when one is shown
+  # ($RD_RUN/client.{crt,key} is one), not required.
   tls_cert "$RD_RUN/tls" "$(id -un)" || return 1
   cp -f "$RD_RUN/tls/ca.crt" "$RD_RUN/root.crt"
   spawn_unless_alive "services: Redis" "$RD_PID" "$RD_LOG" redis-server --bind 127.0.0.1 -::1 \
     --port 6379 --save "" --appendonly no --dir "$RD_RUN" --daemonize no \
     --tls-port 6380 --tls-cert-file "$RD_RUN/tls/server.crt" --tls-key-file "$RD_RUN/tls/server.key" \
-    --tls-ca-cert-file "$RD_RUN/tls/ca.crt" --tls-auth-clients no
+    --tls-ca-cert-file "$RD_RUN/tls/ca.crt" --tls-auth-clients optional
 }
-ready_redis() { wait_until Redis 30 "$RD_PID" "$RD_LOG" rd_answers; }
+ready_redis() {
+  wait_until Redis 30 "$RD_PID" "$RD_LOG" rd_answers || return 1
+  tls_client_cert "$RD_RUN/tls" "$(id -un)" "$RD_RUN"
+}
 
 # ---- RabbitMQ -------------------------------------------------------------
 RB_RUN="$IDEMQ_TOOLS/rabbitmq"
@@ -169,27 +198,32 @@ rb_answers() { port_open 127.0.0.1 5672; }
 rb_tls_answers() { port_open 127.0.0.1 5671; }
 start_rabbitmq() {
   mkdir -p "$RB_RUN"
-  # TLS on 5671 (amqps://; a client that verifies uses $RB_RUN/root.crt).
+  # TLS on 5671 (amqps://; a client that verifies uses $RB_RUN/root.crt); a
+  # client certificate is verified when one is shown ($RB_RUN/client.{crt,key}
+  # is one), not required.
   install -d -o rabbitmq -g rabbitmq /var/lib/rabbitmq
   tls_cert "$RB_TLS" rabbitmq || return 1
+  tls_client_cert "$RB_TLS" rabbitmq "$RB_RUN" || return 1
   cp -f "$RB_TLS/ca.crt" "$RB_RUN/root.crt"
   local conf=/etc/rabbitmq/rabbitmq.conf
   mkdir -p /etc/rabbitmq
-  if ! grep -q '^# idemq test service v1' "$conf" 2>/dev/null; then
+  local reconfigured=false
+  if ! grep -q '^# idemq test service v2' "$conf" 2>/dev/null; then
     cat >"$conf" <<CONF
-# idemq test service v1 (scripts/services.sh)
+# idemq test service v2 (scripts/services.sh)
 listeners.ssl.default = 127.0.0.1:5671
 ssl_options.cacertfile = $RB_TLS/ca.crt
 ssl_options.certfile = $RB_TLS/server.crt
 ssl_options.keyfile = $RB_TLS/server.key
-ssl_options.verify = verify_none
+ssl_options.verify = verify_peer
 ssl_options.fail_if_no_peer_cert = false
 CONF
+    reconfigured=true
   fi
   if rb_answers >/dev/null 2>&1; then
-    rb_tls_answers >/dev/null 2>&1 && return 0
-    # Started before it had a TLS listener: restart it with one.
-    echo "services: restarting RabbitMQ to open its TLS port"
+    rb_tls_answers >/dev/null 2>&1 && [ "$reconfigured" = false ] && return 0
+    # Started with an older TLS configuration (or none): restart it.
+    echo "services: restarting RabbitMQ with its TLS configuration"
     rabbitmqctl stop >/dev/null 2>&1 || true
     local waited=0
     while { rb_answers >/dev/null 2>&1 || pid_alive "$RB_PID"; } && [ "$waited" -lt 60 ]; do
@@ -226,6 +260,7 @@ start_mosquitto() {
   # A certificate for the TLS brokers the tests start themselves; a client
   # that verifies uses root.crt.
   tls_cert "$MQ_RUN/tls" "$(id -un)" || return 1
+  tls_client_cert "$MQ_RUN/tls" "$(id -un)" "$MQ_RUN" || return 1
   cp -f "$MQ_RUN/tls/ca.crt" "$MQ_RUN/root.crt"
   mq_answers >/dev/null 2>&1 && return 0
   mkdir -p "$MQ_RUN"
@@ -254,6 +289,7 @@ start_nats() {
   # A certificate for the NATS servers the TLS tests start themselves (each
   # with its own authorization); a client that verifies uses root.crt.
   tls_cert "$NT_RUN/tls" "$(id -un)" || return 1
+  tls_client_cert "$NT_RUN/tls" "$(id -un)" "$NT_RUN" || return 1
   cp -f "$NT_RUN/tls/ca.crt" "$NT_RUN/root.crt"
   nt_answers >/dev/null 2>&1 && return 0
   mkdir -p "$NT_RUN/jetstream"

@@ -24,16 +24,21 @@ tls_cert() {
 
 # A client certificate signed by DIR's CA (made by tls_cert first), for
 # listeners that ask for one (mutual TLS): DIR/client.crt and DIR/client.key,
-# CN idemq-client, readable by OWNER. Made once.
+# CN idemq-client, readable by OWNER; made once. Copied to PUBLISH/client.crt
+# and PUBLISH/client.key, beside PUBLISH/root.crt, for the tests.
 tls_client_cert() {
-  local dir=$1 owner=$2
-  [ -f "$dir/client.crt" ] && return 0
-  openssl req -newkey rsa:2048 -nodes -subj /CN=idemq-client \
-    -keyout "$dir/client.key" -out "$dir/client.csr" >/dev/null 2>&1 &&
-  printf 'basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n' >"$dir/client.ext" &&
-  openssl x509 -req -in "$dir/client.csr" -CA "$dir/ca.crt" -CAkey "$dir/ca.key" -CAcreateserial \
-    -days 3650 -extfile "$dir/client.ext" -out "$dir/client.crt" >/dev/null 2>&1 ||
-    { echo "making a client certificate in $dir failed" >&2; return 1; }
-  chown "$owner:$owner" "$dir/client.crt" "$dir/client.key"
-  chmod 600 "$dir/client.key"
+  local dir=$1 owner=$2 publish=$3
+  if [ ! -f "$dir/client.crt" ]; then
+    openssl req -newkey rsa:2048 -nodes -subj /CN=idemq-client \
+      -keyout "$dir/client.key" -out "$dir/client.csr" >/dev/null 2>&1 &&
+    printf 'basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n' >"$dir/client.ext" &&
+    openssl x509 -req -in "$dir/client.csr" -CA "$dir/ca.crt" -CAkey "$dir/ca.key" -CAcreateserial \
+      -days 3650 -extfile "$dir/client.ext" -out "$dir/client.crt" >/dev/null 2>&1 ||
+      { echo "making a client certificate in $dir failed" >&2; return 1; }
+    chown "$owner:$owner" "$dir/client.crt" "$dir/client.key"
+    chmod 600 "$dir/client.key"
+  fi
+  mkdir -p "$publish"
+  install -m 644 "$dir/client.crt" "$publish/client.crt"
+  install -m 600 "$dir/client.key" "$publish/client.key"
 }

@@ -1,32 +1,50 @@
 //! One way to open a Redis URL, shared by the Redis store and the Redis
 //! Streams source: `redis://` in the clear, `rediss://` over TLS verified
 //! against the system's and Mozilla's roots, or against the CA in the PEM
-//! file of the URL's `cacert` parameter (named after `redis-cli --cacert`).
+//! file of the URL's `cacert` parameter; a client certificate from the PEM
+//! files of `cert` and `key` (the parameters are named after `redis-cli
+//! --cacert`, `--cert` and `--key`).
 
-use redis::{Client, IntoConnectionInfo, TlsCertificates};
+use redis::{Client, ClientTlsConfig, IntoConnectionInfo, TlsCertificates};
 
 use crate::redact::redact_url;
 
 /// The query parameter naming a PEM file of CA certificates.
 pub const CACERT_PARAM: &str = "cacert";
+/// The query parameter naming the PEM file of the client's certificate.
+pub const CERT_PARAM: &str = "cert";
+/// The query parameter naming the PEM file of the client certificate's key.
+pub const KEY_PARAM: &str = "key";
 
 /// A client for `url`; the error never shows a secret of the URL.
 pub fn client(url: &str) -> Result<Client, String> {
     crate::tls::ensure_crypto_provider();
     let bad = |e: &dyn std::fmt::Display| format!("bad Redis URL {:?}: {e}", redact_url(url));
     let (url, cacert) = take_param(url, CACERT_PARAM);
-    let Some(path) = cacert else {
+    let (url, cert) = take_param(&url, CERT_PARAM);
+    let (url, key) = take_param(&url, KEY_PARAM);
+    if cacert.is_none() && cert.is_none() && key.is_none() {
         return Client::open(url.as_str()).map_err(|e| bad(&e));
+    }
+    let read = |name: &str, value: String| {
+        let path = crate::source::url::decode(&value).map_err(|e| bad(&e))?;
+        std::fs::read(&path).map_err(|e| bad(&format!("reading {name} {path:?}: {e}")))
     };
-    let path = crate::source::url::decode(&path).map_err(|e| bad(&e))?;
-    let pem =
-        std::fs::read(&path).map_err(|e| bad(&format!("reading {CACERT_PARAM} {path:?}: {e}")))?;
+    let root_cert = cacert.map(|v| read(CACERT_PARAM, v)).transpose()?;
+    let client_tls = match (cert, key) {
+        (Some(cert), Some(key)) => Some(ClientTlsConfig {
+            client_cert: read(CERT_PARAM, cert)?,
+            client_key: read(KEY_PARAM, key)?,
+        }),
+        (None, None) => None,
+        _ => return Err(bad(&"a client certificate needs both cert= and key=")),
+    };
     let info = url.as_str().into_connection_info().map_err(|e| bad(&e))?;
     Client::build_with_tls(
         info,
         TlsCertificates {
-            client_tls: None,
-            root_cert: Some(pem),
+            client_tls,
+            root_cert,
         },
     )
     .map_err(|e| bad(&e))
@@ -104,6 +122,13 @@ mod tests {
             take_param("redis://h:6379", "cacert"),
             ("redis://h:6379".to_owned(), None)
         );
+    }
+
+    #[test]
+    fn a_client_certificate_needs_its_key() {
+        let err = client("rediss://:hunter2@h:6380/?cert=/c.pem").unwrap_err();
+        assert!(err.contains("key="), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
     }
 
     #[test]

@@ -51,6 +51,22 @@ fn root_cert(service: &str) -> String {
     path.display().to_string()
 }
 
+/// The client certificate and key the scripts made for `service`, signed
+/// by the CA of its server's certificate (CN `idemq-client`).
+fn client_cert(service: &str) -> (String, String) {
+    let dir = tools().join(service);
+    let cert = dir.join("client.crt");
+    assert!(
+        cert.exists(),
+        "{} is missing: run scripts/services.sh",
+        cert.display()
+    );
+    (
+        cert.display().to_string(),
+        dir.join("client.key").display().to_string(),
+    )
+}
+
 /// PostgreSQL on `localhost` (the certificate's name), verifying it with `ca`.
 fn postgres_verified(ca: &str) -> String {
     format!("postgres://postgres@localhost:5432/test?sslmode=verify-full&sslrootcert={ca}")
@@ -120,9 +136,10 @@ async fn mariadb_cipher(store: &MySqlStore) -> String {
     cipher
 }
 
-#[tokio::test]
-async fn postgres_verify_full_applies_each_effect_once() {
-    let ledger = Ledger::at(&postgres_verified(&root_cert("postgres"))).await;
+/// Duplicated payments through the PostgreSQL store at `url`, over a
+/// connection the server reports encrypted: each effect applied once.
+async fn postgres_round(url: &str) {
+    let ledger = Ledger::at(url).await;
     assert!(
         postgres_encrypted(&ledger.store).await,
         "the connection is not encrypted"
@@ -143,6 +160,11 @@ async fn postgres_verify_full_applies_each_effect_once() {
     );
     ledger.assert_exactly_once(&w.expected).await;
     ledger.cleanup().await;
+}
+
+#[tokio::test]
+async fn postgres_verify_full_applies_each_effect_once() {
+    postgres_round(&postgres_verified(&root_cert("postgres"))).await;
 
     // The check can tell: without TLS the server reports a plain connection.
     let plain = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test?sslmode=disable")
@@ -151,15 +173,48 @@ async fn postgres_verify_full_applies_each_effect_once() {
     assert!(!postgres_encrypted(&plain).await);
 }
 
+/// PostgreSQL role `idemq-client`, which the local server lets in only with
+/// a client certificate of its CA (`cert` in pg_hba.conf): with
+/// `sslcert`/`sslkey`, each effect applied once; without them, refused.
+#[tokio::test]
+async fn postgres_with_a_client_certificate_applies_each_effect_once() {
+    let (cert, key) = client_cert("postgres");
+    let url = format!(
+        "postgres://idemq-client@localhost:5432/test?sslmode=verify-full&sslrootcert={}",
+        root_cert("postgres")
+    );
+    postgres_round(&format!("{url}&sslcert={cert}&sslkey={key}")).await;
+    let refused = PostgresStore::connect(&url).await;
+    assert!(refused.is_err(), "connected without a client certificate");
+}
+
 #[tokio::test]
 async fn mariadb_verify_identity_applies_each_effect_once() {
+    mariadb_round(&mariadb_verified(&root_cert("mariadb"))).await;
+}
+
+/// MariaDB user `idemq-client`, which logs in only with a client certificate
+/// of the local CA (`REQUIRE SUBJECT '/CN=idemq-client'`): with
+/// `ssl-cert`/`ssl-key`, each effect applied once; without them, refused.
+#[tokio::test]
+async fn mariadb_with_a_client_certificate_applies_each_effect_once() {
+    let (cert, key) = client_cert("mariadb");
+    let url = format!(
+        "mysql://idemq-client@localhost:3306/test?ssl-mode=VERIFY_IDENTITY&ssl-ca={}",
+        root_cert("mariadb")
+    );
+    mariadb_round(&format!("{url}&ssl-cert={cert}&ssl-key={key}")).await;
+    let refused = MySqlStore::connect(&url).await;
+    assert!(refused.is_err(), "connected without a client certificate");
+}
+
+/// Duplicated payments through the MariaDB store at `url`, over a
+/// connection the server reports encrypted: each effect applied once.
+async fn mariadb_round(url: &str) {
     let prefix = format!("{}_", support::unique("tls"));
-    let store = MySqlStore::connect_with(
-        &mariadb_verified(&root_cert("mariadb")),
-        SqlOptions::default().table_prefix(&prefix),
-    )
-    .await
-    .expect("connect to MariaDB over verified TLS");
+    let store = MySqlStore::connect_with(url, SqlOptions::default().table_prefix(&prefix))
+        .await
+        .expect("connect to MariaDB over verified TLS");
     store.migrate().await.unwrap();
     assert!(
         !mariadb_cipher(&store).await.is_empty(),
@@ -265,9 +320,51 @@ async fn redis_rediss_with_cacert_handles_each_payment_once() {
     assert!(foreign.is_err(), "a foreign CA was accepted");
 }
 
+/// The Redis lease store showing a client certificate (`cert`/`key`) to the
+/// local Redis, which verifies any it is shown: each payment handled once
+/// with its own CA's certificate; one of another CA is refused.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_with_a_client_certificate_handles_each_payment_once() {
+    use idemq::store::redis::{RedisLease, RedisOptions, RedisStore};
+
+    let url = |(cert, key): (String, String)| {
+        format!(
+            "rediss://localhost:6380/?cacert={}&cert={cert}&key={key}",
+            root_cert("redis")
+        )
+    };
+    let store = RedisStore::connect_with(
+        &url(client_cert("redis")),
+        RedisOptions::default().prefix(support::unique("tls")),
+    )
+    .await
+    .expect("connect to Redis with a client certificate");
+    let w = workload(12, 0);
+    let calls = Calls::default();
+    let consumer = Consumer::builder("tls", store)
+        .key(KeySpec::json("/payment_id"))
+        .handler(counting::<RedisLease>(&calls))
+        .build()
+        .unwrap();
+    consumer.run(queue_of(&w.messages).source()).await.unwrap();
+    assert_each_once(&calls, w.expected.len());
+
+    let foreign = RedisStore::connect_with(
+        &url(client_cert("postgres")),
+        RedisOptions::default().timeouts(Duration::from_secs(2), Duration::from_secs(2)),
+    )
+    .await;
+    assert!(
+        foreign.is_err(),
+        "a client certificate of a foreign CA was accepted"
+    );
+}
+
 /// The Redis Streams source and publisher over TLS (`cacert` in a
-/// `redis-stream://` URL): duplicated payments published and consumed
-/// through the TLS port, each handled once, and the stream removed.
+/// `redis-stream://` URL, then with a client certificate too): duplicated
+/// payments published and consumed through the TLS port, each handled
+/// once, and the stream removed.
 #[cfg(all(feature = "redis", feature = "redis-streams"))]
 #[tokio::test]
 async fn redis_streams_over_tls_delivers_each_payment_once() {
@@ -277,6 +374,8 @@ async fn redis_streams_over_tls_delivers_each_payment_once() {
         root_cert("redis")
     );
     tls_round(&url).await;
+    let (cert, key) = client_cert("redis");
+    tls_round(&format!("{url}&cert={cert}&key={key}")).await;
 }
 
 /// A broker process this file starts on a free loopback port, with its
@@ -353,16 +452,22 @@ fn server_cert(service: &str) -> (PathBuf, PathBuf) {
 }
 
 /// A `nats-server` with JetStream serving TLS with the local certificate
-/// and the given `authorization { … }` block.
+/// and the given `authorization { … }` block; asking every client for a
+/// certificate of the local CA when `verify_clients`.
 #[cfg(feature = "nats")]
-async fn nats_server(authorization: &str) -> Spawned {
+async fn nats_server(authorization: &str, verify_clients: bool) -> Spawned {
     let (cert, key) = server_cert("nats");
     let (port, dir) = Spawned::prepare();
     let conf = dir.path().join("nats.conf");
+    let verify = if verify_clients {
+        format!(", ca_file: \"{}\", verify: true", root_cert("nats"))
+    } else {
+        String::new()
+    };
     let text = format!(
         "listen: 127.0.0.1:{port}\n\
          jetstream {{ store_dir: \"{store}\" }}\n\
-         tls {{ cert_file: \"{cert}\", key_file: \"{key}\" }}\n\
+         tls {{ cert_file: \"{cert}\", key_file: \"{key}\"{verify} }}\n\
          authorization {{ {authorization} }}\n",
         store = dir.path().join("js").display(),
         cert = cert.display(),
@@ -459,8 +564,10 @@ async fn assert_refused(url: &str, secret: &str) {
 
 /// NATS over TLS with each kind of credential the NATS tools take — a user
 /// and password, an nkey seed file, a token — verified against the local
-/// CA: every payment handled once. A wrong password, an unknown CA and a
-/// wrong token are configuration errors that do not show the secret.
+/// CA: every payment handled once, also with a client certificate to a
+/// server that asks for one. A wrong password, an unknown CA, a wrong token
+/// and a missing client certificate are configuration errors that do not
+/// show the secret.
 #[cfg(feature = "nats")]
 #[tokio::test]
 async fn nats_over_tls_with_a_password_an_nkey_or_a_token_delivers_once() {
@@ -469,10 +576,13 @@ async fn nats_over_tls_with_a_password_an_nkey_or_a_token_delivers_once() {
     let seed_dir = tempfile::tempdir().unwrap();
     let seed_file = seed_dir.path().join("user.nk");
     std::fs::write(&seed_file, user.seed().unwrap()).unwrap();
-    let users = nats_server(&format!(
-        "users = [ {{ user: idemq, password: \"pw-s3cret\" }}, {{ nkey: {} }} ]",
-        user.public_key()
-    ))
+    let users = nats_server(
+        &format!(
+            "users = [ {{ user: idemq, password: \"pw-s3cret\" }}, {{ nkey: {} }} ]",
+            user.public_key()
+        ),
+        false,
+    )
     .await;
     tls_round(&nats_url(&users, "idemq:pw-s3cret@", &ca)).await;
     tls_round(&nats_url(
@@ -495,15 +605,22 @@ async fn nats_over_tls_with_a_password_an_nkey_or_a_token_delivers_once() {
     .await;
     drop(users);
 
-    let token = nats_server("token: \"tok-s3cret\"").await;
+    let token = nats_server("token: \"tok-s3cret\"", false).await;
     tls_round(&nats_url(&token, "tok-s3cret@", &ca)).await;
     assert_refused(&nats_url(&token, "tok-wrong@", &ca), "tok-wrong").await;
+    drop(token);
+
+    let mutual = nats_server("token: \"tok-s3cret\"", true).await;
+    let (cert, key) = client_cert("nats");
+    let identity = format!("{ca}&cert={cert}&key={key}");
+    tls_round(&nats_url(&mutual, "tok-s3cret@", &identity)).await;
+    assert_refused(&nats_url(&mutual, "tok-s3cret@", &ca), "tok-s3cret").await;
 }
 
 /// A Mosquitto with one TLS listener (the local certificate) that takes
 /// only user `idemq` with password `pw-s3cret`.
 #[cfg(feature = "mqtt")]
-async fn mosquitto_tls() -> Spawned {
+async fn mosquitto_tls(require_certificate: bool) -> Spawned {
     let (cert, key) = server_cert("mosquitto");
     let (port, dir) = Spawned::prepare();
     let passwords = dir.path().join("passwords");
@@ -523,10 +640,19 @@ async fn mosquitto_tls() -> Spawned {
          allow_anonymous false\n\
          password_file {passwords}\n\
          persistence false\n\
-         user {user}\n",
+         user {user}\n\
+         {mutual}",
         cert = cert.display(),
         key = key.display(),
         passwords = passwords.display(),
+        mutual = if require_certificate {
+            format!(
+                "cafile {}\nrequire_certificate true\n",
+                root_cert("mosquitto")
+            )
+        } else {
+            String::new()
+        },
     );
     std::fs::write(&conf, text).expect("write mosquitto.conf");
     Spawned::start("mosquitto", &["-c".as_ref(), conf.as_os_str()], port, dir).await
@@ -538,7 +664,7 @@ async fn mosquitto_tls() -> Spawned {
 #[cfg(feature = "mqtt")]
 #[tokio::test]
 async fn mqtts_with_a_password_delivers_once() {
-    let broker = mosquitto_tls().await;
+    let broker = mosquitto_tls(false).await;
     let url = |auth: &str, ca: &str| {
         let run = support::unique("tls");
         format!(
@@ -552,8 +678,29 @@ async fn mqtts_with_a_password_delivers_once() {
     assert_refused(&url("idemq:pw-s3cret@", &root_cert("redis")), "pw-s3cret").await;
 }
 
+/// MQTT over mutual TLS: a Mosquitto that requires a client certificate of
+/// the local CA takes `cert`/`key` (every payment handled once) and refuses
+/// a client without one.
+#[cfg(feature = "mqtt")]
+#[tokio::test]
+async fn mqtts_with_a_client_certificate_delivers_once() {
+    let broker = mosquitto_tls(true).await;
+    let url = |params: &str| {
+        let run = support::unique("tls");
+        format!(
+            "mqtts://idemq:pw-s3cret@localhost:{}/{run}/orders?client_id={run}&cacert={}{params}",
+            broker.port,
+            root_cert("mosquitto")
+        )
+    };
+    let (cert, key) = client_cert("mosquitto");
+    tls_round(&url(&format!("&cert={cert}&key={key}"))).await;
+    assert_refused(&url(""), "pw-s3cret").await;
+}
+
 /// RabbitMQ over TLS (`amqps://` with `cacert`, the local RabbitMQ's TLS
-/// port): every payment handled once. A wrong password and an unknown CA
+/// port): every payment handled once, also with a client certificate. A
+/// wrong password, an unknown CA and a client certificate of a foreign CA
 /// are configuration errors that do not show the password.
 #[cfg(feature = "amqp")]
 #[tokio::test]
@@ -566,6 +713,16 @@ async fn amqps_with_cacert_delivers_once() {
     tls_round(&url("guest", &ca)).await;
     assert_refused(&url("wrong-s3cret", &ca), "wrong-s3cret").await;
     assert_refused(&url("guest", &root_cert("redis")), ":guest@").await;
+
+    // The local RabbitMQ verifies a client certificate it is shown.
+    let (cert, key) = client_cert("rabbitmq");
+    tls_round(&format!("{}&cert={cert}&key={key}", url("guest", &ca))).await;
+    let (cert, key) = client_cert("redis");
+    assert_refused(
+        &format!("{}&certfile={cert}&keyfile={key}", url("guest", &ca)),
+        ":guest@",
+    )
+    .await;
 }
 
 /// A `kafka://` URL of a fresh two-partition topic on the local broker's
@@ -612,16 +769,12 @@ async fn kafka_over_sasl_ssl_with_plain_or_scram_delivers_once() {
 #[cfg(feature = "kafka")]
 #[tokio::test]
 async fn kafka_over_mutual_tls_delivers_once() {
-    let tls = tools().join("kafka").join("tls");
+    let (cert, key) = client_cert("kafka");
     let ca = format!(
         "&security.protocol=SSL&ssl.ca.location={}",
         root_cert("kafka")
     );
-    let identity = format!(
-        "&ssl.certificate.location={}&ssl.key.location={}",
-        tls.join("client.crt").display(),
-        tls.join("client.key").display()
-    );
+    let identity = format!("&ssl.certificate.location={cert}&ssl.key.location={key}");
     tls_round(&kafka_url(9095, &format!("{ca}{identity}"))).await;
     assert_refused(&kafka_url(9095, &ca), "client.key").await;
 }

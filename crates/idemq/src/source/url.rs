@@ -154,6 +154,20 @@ impl<'a> BrokerUrl<'a> {
         self.error(format!("the {name} parameter is required (?{name}=…)"))
     }
 
+    /// A client certificate from the URL's certificate and key files,
+    /// which come together or not at all.
+    pub(crate) fn client_cert(
+        &self,
+        cert: Option<std::path::PathBuf>,
+        key: Option<std::path::PathBuf>,
+    ) -> Result<Option<(std::path::PathBuf, std::path::PathBuf)>, SourceError> {
+        match (cert, key) {
+            (Some(cert), Some(key)) => Ok(Some((cert, key))),
+            (None, None) => Ok(None),
+            _ => Err(self.error("a client certificate needs both cert= and key=")),
+        }
+    }
+
     /// The query parameters, in order.
     pub(crate) fn params(&self) -> impl Iterator<Item = Param<'_>> + '_ {
         self.params.iter().map(move |(name, value)| Param {

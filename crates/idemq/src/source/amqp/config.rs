@@ -3,7 +3,7 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use lapin::tcp::OwnedTLSConfig;
+use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
 use lapin::{Connect, Connection, ConnectionProperties};
@@ -50,6 +50,9 @@ pub struct AmqpConfig {
     /// A PEM file of the CA that signed the broker's certificate
     /// (`amqps://…?cacert=PATH`); Mozilla's roots otherwise.
     pub(super) ca_file: Option<PathBuf>,
+    /// PEM files of the client's certificate and its key, for a broker that
+    /// asks for one (`cert=PATH&key=PATH`).
+    pub(super) client_cert: Option<(PathBuf, PathBuf)>,
 }
 
 impl fmt::Debug for AmqpConfig {
@@ -62,6 +65,7 @@ impl fmt::Debug for AmqpConfig {
             .field("vhost", &self.uri.vhost)
             .field("tls", &(self.uri.scheme == AMQPScheme::AMQPS))
             .field("ca_file", &self.ca_file)
+            .field("client_cert", &self.client_cert)
             .field("queue", &self.queue)
             .field("prefetch", &self.prefetch)
             .field("queue_type", &self.queue_type)
@@ -77,7 +81,10 @@ impl AmqpConfig {
     /// required. Unknown parameters are an error.
     ///
     /// `amqps://` connects over TLS (port 5671 by default), verifying the
-    /// broker against Mozilla's roots or the CA file in `cacert=PATH`.
+    /// broker against Mozilla's roots or the CA file in `cacert=PATH`, and
+    /// shows the client certificate in `cert=PATH` with its key in
+    /// `key=PATH` (PEM) to a broker that asks for one. The RabbitMQ URI
+    /// spellings `cacertfile`, `certfile` and `keyfile` are taken too.
     pub fn from_url(url: &str) -> Result<Self, SourceError> {
         let tls = url.starts_with("amqps://");
         let u = BrokerUrl::parse("AMQP", if tls { "amqps" } else { "amqp" }, url)?;
@@ -97,6 +104,7 @@ impl AmqpConfig {
         let mut queue_type = QueueType::Classic;
         let mut conn = AMQPQueryString::default();
         let mut ca_file = None;
+        let (mut cert, mut key) = (None, None);
         for p in u.params() {
             match p.name.as_str() {
                 "queue" => queue = Some(p.value),
@@ -116,12 +124,17 @@ impl AmqpConfig {
                 "connection_timeout" => conn.connection_timeout = Some(p.count()?),
                 "frame_max" => conn.frame_max = Some(p.count()?),
                 "channel_max" => conn.channel_max = Some(p.count()?),
-                "cacert" if tls => ca_file = p.non_empty().map(PathBuf::from),
-                "cacert" => return Err(p.error("a CA file needs an amqps:// URL")),
+                "cacert" | "cacertfile" if tls => ca_file = p.non_empty().map(PathBuf::from),
+                "cert" | "certfile" if tls => cert = p.non_empty().map(PathBuf::from),
+                "key" | "keyfile" if tls => key = p.non_empty().map(PathBuf::from),
+                "cacert" | "cacertfile" | "cert" | "certfile" | "key" | "keyfile" => {
+                    return Err(p.error("TLS settings need an amqps:// URL"))
+                }
                 _ => return Err(p.unknown()),
             }
         }
         let queue = queue.ok_or_else(|| u.missing("queue"))?;
+        let client_cert = u.client_cert(cert, key)?;
         let uri = AMQPUri {
             scheme: if tls {
                 AMQPScheme::AMQPS
@@ -142,6 +155,7 @@ impl AmqpConfig {
             prefetch,
             queue_type,
             ca_file,
+            client_cert,
         }
         .queue(queue)
     }
@@ -193,11 +207,23 @@ impl AmqpConfig {
     pub(super) async fn connect(&self, name: &str) -> Result<Connection, SourceError> {
         let props = ConnectionProperties::default().with_connection_name(name.into());
         let mut tls = OwnedTLSConfig::default();
+        let read = |what: &'static str, path: &PathBuf| {
+            let path = path.clone();
+            async move {
+                tokio::fs::read(&path).await.map_err(|e| {
+                    SourceError::config(format!("AMQP: reading the {what} {}: {e}", path.display()))
+                })
+            }
+        };
         if let Some(path) = &self.ca_file {
-            let pem = tokio::fs::read_to_string(path).await.map_err(|e| {
-                SourceError::config(format!("AMQP: reading the CA file {}: {e}", path.display()))
-            })?;
-            tls.cert_chain = Some(pem);
+            let pem = read("CA file", path).await?;
+            tls.cert_chain = Some(String::from_utf8_lossy(&pem).into_owned());
+        }
+        if let Some((cert, key)) = &self.client_cert {
+            tls.identity = Some(OwnedIdentity::PKCS8 {
+                pem: read("client certificate", cert).await?,
+                key: read("client key", key).await?,
+            });
         }
         let runtime = lapin::runtime::default_runtime()
             .map_err(|e| SourceError::other(format!("AMQP: no runtime: {e}")))?;

@@ -277,12 +277,19 @@ async fn drive(
 /// errors, which no retry fixes; the rest are the broker's.
 fn connection_error(e: &ConnectionError) -> SourceError {
     use rumqttc::v5::mqttbytes::v5::ConnectReturnCode as Code;
+    use rumqttc::v5::mqttbytes::Error as MqttError;
+    use rumqttc::v5::StateError;
     let refused_for_good = match e {
         ConnectionError::ConnectionRefused(
             Code::BadUserNamePassword | Code::NotAuthorized | Code::BadAuthenticationMethod,
         ) => true,
         ConnectionError::Tls(_) => true,
         ConnectionError::Io(io) => io.kind() == std::io::ErrorKind::InvalidData,
+        // A TLS alert from the broker (a client certificate it requires or
+        // refuses) arrives with the first read, inside the state error.
+        ConnectionError::MqttState(StateError::Deserialization(MqttError::Io(io))) => {
+            io.kind() == std::io::ErrorKind::InvalidData
+        }
         _ => false,
     };
     if refused_for_good {

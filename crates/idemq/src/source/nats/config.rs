@@ -154,11 +154,7 @@ impl NatsConfig {
                 _ => return Err(p.unknown()),
             }
         }
-        config.client_cert = match (cert, key) {
-            (Some(cert), Some(key)) => Some((cert, key)),
-            (None, None) => None,
-            _ => return Err(u.error("a client certificate needs both cert= and key=")),
-        };
+        config.client_cert = u.client_cert(cert, key)?;
         config.validate()?;
         Ok(config)
     }

@@ -57,11 +57,12 @@ impl RedisStreamConfig {
     }
 
     /// Parses
-    /// `redis-stream://[user:password@]host:port/stream?group=NAME[&consumer=NAME][&claim_idle=30s][&block=2s][&count=10][&dead_letter_stream=NAME][&start=0|$][&db=N][&tls=true][&cacert=PATH]`.
+    /// `redis-stream://[user:password@]host:port/stream?group=NAME[&consumer=NAME][&claim_idle=30s][&block=2s][&count=10][&dead_letter_stream=NAME][&start=0|$][&db=N][&tls=true][&cacert=PATH][&cert=PATH&key=PATH]`.
     ///
     /// `tls=true` connects over TLS (as `rediss://`), verified against the
     /// system's and Mozilla's roots; `cacert` names a PEM file of the CA to
-    /// verify against instead (and implies `tls`).
+    /// verify against instead, and `cert` and `key` the PEM files of a client
+    /// certificate and its key (each implies `tls`).
     ///
     /// `group` is required. Durations take a unit (`ms`, `s`, `m`, `h`);
     /// unlike the other sources' URLs, a bare number is **milliseconds**, as
@@ -74,7 +75,7 @@ impl RedisStreamConfig {
         let mut group = None;
         let mut db = None;
         let mut tls = false;
-        let mut cacert = None;
+        let mut tls_files: Vec<(&str, String)> = Vec::new();
         let mut config = Self::new(String::new(), u.decoded_path()?, String::new());
         for p in u.params() {
             match p.name.as_str() {
@@ -87,12 +88,21 @@ impl RedisStreamConfig {
                 "start" => config.start = p.value,
                 "db" => db = Some(p.count::<u32>()?),
                 "tls" => tls = p.flag()?,
-                "cacert" => cacert = p.non_empty(),
+                name @ ("cacert" | "cert" | "key") => {
+                    let param = match name {
+                        "cacert" => crate::redis_client::CACERT_PARAM,
+                        "cert" => crate::redis_client::CERT_PARAM,
+                        _ => crate::redis_client::KEY_PARAM,
+                    };
+                    if let Some(path) = p.non_empty() {
+                        tls_files.push((param, path));
+                    }
+                }
                 _ => return Err(p.unknown()),
             }
         }
         config.group = group.ok_or_else(|| u.missing("group"))?;
-        let scheme = if tls || cacert.is_some() {
+        let scheme = if tls || !tls_files.is_empty() {
             "rediss"
         } else {
             "redis"
@@ -101,15 +111,16 @@ impl RedisStreamConfig {
             Some(db) => format!("{scheme}://{}/{db}", u.authority),
             None => format!("{scheme}://{}", u.authority),
         };
-        if let Some(path) = cacert {
+        if !tls_files.is_empty() {
             if db.is_none() {
                 config.redis_url.push('/');
             }
-            config.redis_url.push_str(&format!(
-                "?{}={}",
-                crate::redis_client::CACERT_PARAM,
-                crate::redis_client::encode_param(&path)
-            ));
+            let query: Vec<String> = tls_files
+                .iter()
+                .map(|(param, path)| format!("{param}={}", crate::redis_client::encode_param(path)))
+                .collect();
+            config.redis_url.push('?');
+            config.redis_url.push_str(&query.join("&"));
         }
         config.validate()?;
         Ok(config)
