@@ -31,7 +31,8 @@ use crate::endpoint::Endpoint;
 /// Help text shared by every command that can fail at run time.
 const EXIT_CODES: &str = "EXIT CODES:
   0    the command ran to the end (dead letters are outcomes, not failures), or
-       stopped by SIGTERM after finishing its in-flight messages
+       stopped by SIGTERM after finishing its in-flight messages (or abandoning,
+       at --shutdown-timeout, those still running, for their source to redeliver)
   1    runtime error: the store or the source is unreachable or failed
   2    usage or configuration error: bad flag, key spec, template, URL or table prefix
   3    not found: `inspect` found nothing for the key; `dlq replay --id` named a missing dead letter
@@ -102,8 +103,11 @@ enum Command {
             The exit status is 0 when the input was read to its end, even if messages were \
             dead-lettered (they are outcomes, listed by `idemq dlq list`); 1 when the store or \
             the input failed; 2 for a usage or configuration error; 130 after Ctrl-C. \
-            Ctrl-C and SIGTERM drain: the messages in flight are settled and the summary \
-            printed; after SIGTERM the exit status is 0.",
+            Ctrl-C and SIGTERM drain: no new message is taken, the messages in flight get \
+            --shutdown-timeout to finish and be settled, those still running then are \
+            abandoned (rolled back, redelivered by their source; `abandoned=N` in the \
+            summary), and the summary is printed; after SIGTERM the exit status is 0. A \
+            second signal exits at once.",
         after_long_help = EXIT_CODES
     )]
     Consume(ConsumeArgs),
@@ -256,6 +260,13 @@ struct ConsumeArgs {
     /// Messages in flight at once.
     #[arg(long, default_value_t = 8, value_name = "N", value_parser = parse_positive)]
     concurrency: usize,
+
+    /// After Ctrl-C or SIGTERM, how long the messages in flight may take to
+    /// finish and be settled; those still running then are abandoned: their
+    /// transactions roll back and their source redelivers them. Keep it
+    /// below the platform's own grace (Kubernetes and `docker stop`: 30s).
+    #[arg(long, default_value = "20s", value_name = "DURATION", value_parser = humantime::parse_duration)]
+    shutdown_timeout: Duration,
 
     /// Do not create or upgrade the idemq tables before consuming.
     #[arg(long)]

@@ -1472,6 +1472,88 @@ fn sigterm_drains_and_exits_with_the_summary() {
     );
 }
 
+/// SIGTERM with a message whose effect outlasts `--shutdown-timeout`: the
+/// process exits within the timeout (not after the effect), exit 0, with
+/// the message counted as abandoned; the next run applies it, once.
+#[cfg(all(feature = "sqlite", feature = "exec", unix))]
+#[test]
+fn sigterm_abandons_what_outlasts_the_shutdown_timeout() {
+    let f = Fixture::new();
+    let input = f.dir.path().join("slow.jsonl");
+    std::fs::write(&input, "{\"id\":\"a\",\"payload\":{\"n\":1}}\n").unwrap();
+    let marks = f.dir.path().join("marks");
+    let consume = |effect: &str| {
+        let mut command = Command::new(BIN);
+        command
+            .arg("--store")
+            .arg(&f.store)
+            .args([
+                "consume",
+                "--consumer",
+                "slow",
+                "--shutdown-timeout",
+                "300ms",
+            ])
+            .arg("--apply-exec")
+            .arg(effect)
+            .arg(&input)
+            .env_remove("IDEMQ_STORE")
+            .env_remove("IDEMQ_TABLE_PREFIX")
+            .env_remove("IDEMQ_CONSUMER")
+            .env_remove("IDEMQ_LOG")
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        command
+    };
+    let started_mark = f.dir.path().join("started");
+    let mut child = consume(&format!(
+        "touch {}; sleep 30; echo $IDEMQ_KEY >> {}",
+        started_mark.display(),
+        marks.display()
+    ))
+    .spawn()
+    .expect("spawn idemq");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !started_mark.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the effect never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(killed.success());
+    let stopped = std::time::Instant::now();
+    let output = loop {
+        if child.try_wait().expect("wait for idemq").is_some() {
+            break child.wait_with_output().expect("idemq output");
+        }
+        assert!(
+            stopped.elapsed() < std::time::Duration::from_secs(10),
+            "idemq did not exit within its shutdown timeout"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("processed=0"), "{stdout}");
+    assert!(stdout.contains("abandoned=1"), "{stdout}");
+    assert!(!marks.exists(), "the abandoned effect ran to its end");
+
+    // The next run applies it, once.
+    let output = consume(&format!("echo $IDEMQ_KEY >> {}", marks.display()))
+        .output()
+        .expect("run idemq");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("processed=1"), "{stdout}");
+    assert_eq!(std::fs::read_to_string(&marks).unwrap().lines().count(), 1);
+}
+
 /// No password, token or key given in a URL reaches the output, the errors
 /// or the dead-letter table: broker URLs with user info or secret
 /// parameters that fail to parse or to connect, a store URL with a

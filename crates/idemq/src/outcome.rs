@@ -159,6 +159,7 @@ impl fmt::Display for OutcomeKind {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Summary {
     counts: BTreeMap<OutcomeKind, u64>,
+    abandoned: u64,
 }
 
 impl Summary {
@@ -177,6 +178,20 @@ impl Summary {
         for (kind, n) in &other.counts {
             *self.counts.entry(*kind).or_default() += n;
         }
+        self.abandoned += other.abandoned;
+    }
+
+    /// Deliveries still in flight when a stopping run's grace period ended
+    /// ([`ConsumerBuilder::shutdown_grace`](crate::ConsumerBuilder::shutdown_grace)):
+    /// left unsettled for their source to redeliver; no outcome of theirs
+    /// is counted.
+    pub fn abandoned(&self) -> u64 {
+        self.abandoned
+    }
+
+    /// Counts `n` deliveries abandoned at the end of a grace period.
+    pub(crate) fn record_abandoned(&mut self, n: u64) {
+        self.abandoned += n;
     }
 
     /// All deliveries handled.
@@ -191,6 +206,10 @@ impl fmt::Display for Summary {
             .iter()
             .map(|k| format!("{k}={}", self.count(*k)))
             .collect();
-        f.write_str(&parts.join(" "))
+        f.write_str(&parts.join(" "))?;
+        if self.abandoned > 0 {
+            write!(f, " abandoned={}", self.abandoned)?;
+        }
+        Ok(())
     }
 }

@@ -54,11 +54,17 @@ pub(crate) struct Inner<S: Store> {
     pub(crate) lease: Duration,
     /// Payloads longer than this are dead-lettered as too large.
     pub(crate) max_payload_bytes: usize,
+    /// How long a stopping run waits for the deliveries in flight.
+    pub(crate) shutdown_grace: Duration,
     pub(crate) on_outcome: Option<OutcomeHook>,
 }
 
 /// The default of [`ConsumerBuilder::max_payload_bytes`]: 4 MiB.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 4 * 1024 * 1024;
+
+/// The default of [`ConsumerBuilder::shutdown_grace`]: 20 s, inside the 30 s
+/// Kubernetes and `docker stop` give a process between SIGTERM and SIGKILL.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
 
 /// An idempotent consumer: a name, a store, a key spec, policies and a handler.
 ///
@@ -129,6 +135,7 @@ pub struct ConsumerBuilder<S: Store> {
     lease: Duration,
     handler_timeout: Option<Duration>,
     max_payload_bytes: usize,
+    shutdown_grace: Duration,
     on_outcome: Option<OutcomeHook>,
 }
 
@@ -155,6 +162,7 @@ impl<S: Store> Consumer<S> {
             lease: Duration::from_secs(30),
             handler_timeout: None,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             on_outcome: None,
         }
     }
@@ -341,6 +349,18 @@ impl<S: Store> ConsumerBuilder<S> {
         self
     }
 
+    /// How long a run asked to stop ([`Consumer::run_until`]) waits for the
+    /// deliveries in flight to finish and settle (default
+    /// [`DEFAULT_SHUTDOWN_GRACE`]). Those still running then are abandoned:
+    /// an uncommitted transaction rolls back, a lease expires, and the
+    /// source redelivers them — also one whose commit landed but whose ack
+    /// did not, which the inbox then answers as a duplicate. The summary
+    /// counts them ([`Summary::abandoned`](crate::Summary::abandoned)).
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.shutdown_grace = grace;
+        self
+    }
+
     /// For lease stores: how long a claim lives without completion.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
@@ -398,6 +418,7 @@ impl<S: Store> ConsumerBuilder<S> {
                 concurrency: self.concurrency,
                 lease: self.lease,
                 max_payload_bytes: self.max_payload_bytes,
+                shutdown_grace: self.shutdown_grace,
                 on_outcome: self.on_outcome,
             }),
         })

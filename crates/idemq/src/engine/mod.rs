@@ -35,7 +35,10 @@ mod unit;
 pub mod watermark;
 
 pub use batch::BatchOptions;
-pub use consumer::{validate_consumer_name, Consumer, ConsumerBuilder, DEFAULT_MAX_PAYLOAD_BYTES};
+pub use consumer::{
+    validate_consumer_name, Consumer, ConsumerBuilder, DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_SHUTDOWN_GRACE,
+};
 pub use handler::layers;
 pub use handler::{
     handler_fn, AsyncFnHandler, AsyncHandlerFn, Context, FnHandler, Handler, HandlerResult,

@@ -9,6 +9,7 @@ use futures_util::future::BoxFuture;
 
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::{JoinError, JoinSet};
+use tokio::time::Instant;
 
 use super::consumer::{lane_key, Consumer, Identity};
 use super::lanes::{KeyLanes, LaneEnd, LaneRelease};
@@ -24,6 +25,10 @@ use crate::store::Store;
 /// Deliveries read ahead of those running, as a multiple of what runs at
 /// once: room for other keys to run while copies of one key wait in its lane.
 const READ_AHEAD: usize = 2;
+
+/// How long closing the source may take after a stop whose grace period
+/// is spent: closing is what commits a partitioned log's settled offsets.
+const CLOSE_AT_LEAST: Duration = Duration::from_secs(1);
 
 /// How the run loop forms units of work from the deliveries it reads.
 #[derive(Debug, Clone, Copy)]
@@ -111,7 +116,9 @@ impl<S: Store> Consumer<S> {
     }
 
     /// Like [`run`](Self::run), but stops taking new deliveries when
-    /// `shutdown` completes, finishes the ones in flight, and returns.
+    /// `shutdown` completes, gives the ones in flight up to
+    /// [`shutdown_grace`](super::ConsumerBuilder::shutdown_grace) to finish
+    /// and settle (abandoning the rest to their source), and returns.
     pub async fn run_until(
         &self,
         source: impl Source,
@@ -186,6 +193,7 @@ impl<S: Store> Consumer<S> {
         let mut tasks: JoinSet<Option<OutcomeKind>> = JoinSet::new();
         let mut summary = Summary::default();
         let mut failure = None;
+        let mut stopped = false;
         tokio::pin!(shutdown);
         loop {
             while let Some(done) = tasks.try_join_next() {
@@ -196,11 +204,11 @@ impl<S: Store> Consumer<S> {
                     Ok(p) => p,
                     Err(_) => break,
                 },
-                _ = &mut shutdown => break,
+                _ = &mut shutdown => { stopped = true; break },
             };
             let next = tokio::select! {
                 next = source.next() => next,
-                _ = &mut shutdown => break,
+                _ = &mut shutdown => { stopped = true; break },
             };
             let delivery = match next {
                 Ok(Some(delivery)) => delivery,
@@ -250,17 +258,59 @@ impl<S: Store> Consumer<S> {
                 }
             });
         }
-        while let Some(done) = tasks.join_next().await {
-            count(&mut summary, done);
-        }
+        // The tasks hold their own senders: the former ends once they have.
         drop(ready);
-        while let Some(formed) = former.join_next().await {
-            match formed {
-                Ok(formed) => summary.merge(&formed),
-                Err(e) => tracing::error!(error = %e, "the unit former failed"),
+        let finished = async {
+            while let Some(done) = tasks.join_next().await {
+                count(&mut summary, done);
+            }
+            while let Some(formed) = former.join_next().await {
+                match formed {
+                    Ok(formed) => summary.merge(&formed),
+                    Err(e) => tracing::error!(error = %e, "the unit former failed"),
+                }
+            }
+        };
+        let deadline = stopped.then(|| Instant::now() + self.inner.shutdown_grace);
+        match deadline {
+            None => finished.await,
+            Some(deadline) => {
+                if tokio::time::timeout_at(deadline, finished).await.is_err() {
+                    // Read and not yet settled: what the aborts leave to the source.
+                    let in_flight = read_ahead.saturating_sub(admitted.available_permits());
+                    tracing::warn!(
+                        consumer = %self.inner.name,
+                        in_flight,
+                        grace_ms = self.inner.shutdown_grace.as_millis() as u64,
+                        "the shutdown grace period ended: abandoning the deliveries in flight to be redelivered"
+                    );
+                    tasks.abort_all();
+                    former.abort_all();
+                    while let Some(done) = tasks.join_next().await {
+                        count(&mut summary, done);
+                    }
+                    while let Some(formed) = former.join_next().await {
+                        if let Ok(formed) = formed {
+                            summary.merge(&formed);
+                        }
+                    }
+                    summary.record_abandoned(in_flight as u64);
+                }
             }
         }
-        source.close().await;
+        match deadline {
+            // Closing commits what settled (partitioned logs); a broker that
+            // no longer answers gets what is left of the grace, at least 1 s.
+            Some(deadline) => {
+                let left = deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(CLOSE_AT_LEAST);
+                if tokio::time::timeout(left, source.close()).await.is_err() {
+                    tracing::warn!(consumer = %self.inner.name, "closing the source outlasted the shutdown grace period");
+                }
+            }
+            None => source.close().await,
+        }
         match failure {
             Some(e) => Err(e),
             None => Ok(summary),

@@ -1,0 +1,94 @@
+//! A run asked to stop (`Consumer::run_until`) waits for the deliveries in
+//! flight up to its grace period (`ConsumerBuilder::shutdown_grace`), then
+//! abandons the rest to be redelivered: their transactions roll back, and a
+//! next run applies each of them exactly once.
+#![cfg(feature = "postgres")]
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idemq::source::queue::MemoryQueue;
+use idemq::OutcomeKind;
+use support::{payment, Ledger, Plan};
+
+/// Ten quick payments and two whose handler sleeps `sleep_ms` first.
+fn queue(sleep_ms: u64) -> (MemoryQueue, std::collections::BTreeMap<String, i64>) {
+    let queue = MemoryQueue::new("shutdown");
+    let mut expected = std::collections::BTreeMap::new();
+    for i in 0..12 {
+        let id = format!("p{i}");
+        let extra = if i >= 10 {
+            serde_json::json!({ "sleep_ms": sleep_ms })
+        } else {
+            serde_json::json!({})
+        };
+        queue.push(payment(&format!("m{i}"), &id, i, extra));
+        expected.insert(id, i);
+    }
+    queue.close();
+    (queue, expected)
+}
+
+/// Stops the run once `n` deliveries were processed.
+async fn processed(plan: &Plan, n: u32) {
+    while plan.calls.load(std::sync::atomic::Ordering::SeqCst) < n {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_grace_period_ends_and_what_is_in_flight_is_redelivered_and_applied_once() {
+    let ledger = Ledger::new().await;
+    // Slow enough to outlast the grace, quick enough for the second run.
+    let (queue, expected) = queue(2_000);
+    let plan = Arc::new(Plan::default());
+    let consumer = ledger
+        .consumer("shutdown", Arc::clone(&plan))
+        .concurrency(12)
+        .shutdown_grace(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let started = Instant::now();
+    let summary = consumer
+        .run_until(queue.source(), processed(&plan, 12))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(5), "the stop took {took:?}");
+    assert_eq!(summary.abandoned(), 2, "{summary}");
+    assert_eq!(summary.count(OutcomeKind::Processed), 10, "{summary}");
+    assert!(summary.to_string().contains("abandoned=2"), "{summary}");
+
+    // The two abandoned payments come back and are applied, once.
+    let again = ledger
+        .consumer("shutdown", Arc::new(Plan::default()))
+        .build()
+        .unwrap();
+    let summary = again.run(queue.source()).await.unwrap();
+    assert_eq!(summary.count(OutcomeKind::Processed), 2, "{summary}");
+    ledger.assert_exactly_once(&expected).await;
+    ledger.cleanup().await;
+}
+
+#[tokio::test]
+async fn within_the_grace_period_every_delivery_in_flight_finishes() {
+    let ledger = Ledger::new().await;
+    let (queue, expected) = queue(300);
+    let plan = Arc::new(Plan::default());
+    let consumer = ledger
+        .consumer("shutdown", Arc::clone(&plan))
+        .concurrency(12)
+        .shutdown_grace(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let summary = consumer
+        .run_until(queue.source(), processed(&plan, 12))
+        .await
+        .unwrap();
+    assert_eq!(summary.abandoned(), 0, "{summary}");
+    assert_eq!(summary.count(OutcomeKind::Processed), 12, "{summary}");
+    ledger.assert_exactly_once(&expected).await;
+    ledger.cleanup().await;
+}
