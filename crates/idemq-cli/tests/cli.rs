@@ -1409,6 +1409,224 @@ async fn rocketmq_produce_and_consume() {
     .await;
 }
 
+/// SIGTERM to a consumer of broker `url` in the middle of a stream: 600
+/// payments (with duplicates) published by `idemq produce`, the consumer
+/// stopped once 50 are in the ledger. It exits 0 with its summary within
+/// the shutdown timeout; a second consumer takes the rest, and every
+/// payment is in the ledger exactly once, none dead-lettered. What the
+/// first consumer had fetched ahead but not handed over comes back after
+/// the broker's own timeout (NATS `ack_wait` 5 s, SQS visibility 5 s), and
+/// a Kafka group takes seconds to assign its partitions again: the second
+/// consumer stops after 12 idle seconds, which outlasts both. For MQTT the
+/// consumer's session is made first (`mqtt_session`), as MQTT keeps only
+/// what arrives for a session.
+#[cfg(all(
+    feature = "sqlite",
+    unix,
+    any(
+        feature = "amqp",
+        feature = "kafka",
+        feature = "sqs",
+        feature = "nats",
+        feature = "redis-streams",
+        feature = "mqtt",
+        feature = "rocketmq"
+    )
+))]
+async fn sigterm_mid_stream(url: &str, mqtt_session: bool) {
+    const N: usize = 600;
+    let fx = Fixture::new();
+    let input = fx.dir.path().join("many.jsonl");
+    let lines: String = (0..N)
+        .map(|i| format!("{{\"payment_id\":\"p-{i}\",\"account\":\"acc\",\"amount\":{i}}}\n"))
+        .collect();
+    std::fs::write(&input, lines).expect("write the payments");
+    let input = input.to_str().expect("utf-8 path");
+    let consume_args = [
+        "consume",
+        url,
+        "--consumer",
+        "payments",
+        "--key",
+        "json:/payment_id",
+        "--init-sql",
+        CREATE_LEDGER,
+        "--apply-sql",
+        INSERT_LEDGER,
+        "--concurrency",
+        "4",
+    ];
+    if mqtt_session {
+        fx.run(&[&consume_args[..], &["--idle-exit", "1s"]].concat())
+            .expect_code(0);
+    }
+    let produced = fx
+        .run(&[
+            "produce",
+            input,
+            "--to",
+            url,
+            "--key",
+            "json:/payment_id",
+            "--duplicates",
+            "0.3",
+            "--seed",
+            "5",
+        ])
+        .expect_code(0);
+    assert!(
+        first_line(&produced).starts_with(&format!("published={N} ")),
+        "{produced:#?}"
+    );
+    let mut child = Command::new(BIN)
+        .arg("--store")
+        .arg(&fx.store)
+        .args(consume_args)
+        .env_remove("IDEMQ_STORE")
+        .env_remove("IDEMQ_TABLE_PREFIX")
+        .env_remove("IDEMQ_CONSUMER")
+        .env_remove("IDEMQ_LOG")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn idemq");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    loop {
+        let applied = match sqlx::SqlitePool::connect(&fx.store).await {
+            Ok(pool) => {
+                let n: Result<i64, _> = sqlx::query_scalar("SELECT COUNT(*) FROM ledger")
+                    .fetch_one(&pool)
+                    .await;
+                pool.close().await;
+                n.unwrap_or(0)
+            }
+            Err(_) => 0,
+        };
+        if applied >= 50 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the consumer applied {applied} payments in 90 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(killed.success());
+    let stopped = std::time::Instant::now();
+    while child.try_wait().expect("wait for idemq").is_none() {
+        assert!(
+            stopped.elapsed() < std::time::Duration::from_secs(25),
+            "idemq did not exit within its shutdown timeout after SIGTERM"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let first = child.wait_with_output().expect("idemq output");
+    let stdout = String::from_utf8_lossy(&first.stdout);
+    assert_eq!(first.status.code(), Some(0), "{stdout}");
+    let summary = stdout.lines().next().unwrap_or_default().to_owned();
+    assert!(
+        summary.starts_with("consumer payments: processed="),
+        "{stdout}"
+    );
+    assert!(summary.contains(" dead_lettered=0"), "{stdout}");
+
+    let rest = fx
+        .run(&[&consume_args[..], &["--idle-exit", "12s"]].concat())
+        .expect_code(0);
+    assert!(first_line(&rest).contains(" dead_lettered=0"), "{rest:#?}");
+    let ledger = fx.ledger().await;
+    assert_eq!(ledger.len(), N, "first run: {summary}; then: {rest:#?}");
+    for (payment, _, amount) in &ledger {
+        assert_eq!(payment, &format!("p-{amount}"));
+    }
+}
+
+#[cfg(all(feature = "sqlite", feature = "kafka", unix))]
+#[tokio::test]
+async fn kafka_sigterm_mid_stream_loses_and_doubles_nothing() {
+    let topic = format!("cli_{}", unique_suffix());
+    sigterm_mid_stream(
+        &format!("kafka://127.0.0.1:9092/{topic}?group=cli&create_partitions=3"),
+        false,
+    )
+    .await;
+}
+
+#[cfg(all(feature = "sqlite", feature = "amqp", unix))]
+#[tokio::test]
+async fn rabbitmq_sigterm_mid_stream_loses_and_doubles_nothing() {
+    let queue = format!("cli_{}", unique_suffix());
+    sigterm_mid_stream(
+        &format!("amqp://guest:guest@127.0.0.1:5672/%2f?queue={queue}"),
+        false,
+    )
+    .await;
+}
+
+#[cfg(all(feature = "sqlite", feature = "nats", unix))]
+#[tokio::test]
+async fn nats_sigterm_mid_stream_loses_and_doubles_nothing() {
+    let name = format!("cli_{}", unique_suffix());
+    sigterm_mid_stream(
+        &format!(
+            "nats://127.0.0.1:4222/{name}/{name}_c?subject={name}.payments&create=true&ack_wait=5s&wait=1s"
+        ),
+        false,
+    )
+    .await;
+}
+
+#[cfg(all(feature = "sqlite", feature = "redis-streams", unix))]
+#[tokio::test]
+async fn redis_stream_sigterm_mid_stream_loses_and_doubles_nothing() {
+    let stream = format!("cli_{}", unique_suffix());
+    sigterm_mid_stream(
+        &format!("redis-stream://127.0.0.1:6379/{stream}?group=cli&consumer=cli-1"),
+        false,
+    )
+    .await;
+}
+
+#[cfg(all(feature = "sqlite", feature = "sqs", unix))]
+#[tokio::test]
+async fn sqs_sigterm_mid_stream_loses_and_doubles_nothing() {
+    let queue = format!("cli_{}", unique_suffix());
+    sigterm_mid_stream(
+        &format!(
+            "sqs://{queue}?endpoint=http://127.0.0.1:5000&region=us-east-1&create=true&wait=1&visibility=5"
+        ),
+        false,
+    )
+    .await;
+}
+
+#[cfg(all(feature = "sqlite", feature = "mqtt", unix))]
+#[tokio::test]
+async fn mqtt_sigterm_mid_stream_loses_and_doubles_nothing() {
+    let name = format!("cli_{}", unique_suffix());
+    sigterm_mid_stream(
+        &format!("mqtt://127.0.0.1:1883/{name}/payments?client_id={name}"),
+        true,
+    )
+    .await;
+}
+
+#[cfg(all(feature = "sqlite", feature = "rocketmq", unix))]
+#[tokio::test]
+async fn rocketmq_sigterm_mid_stream_loses_and_doubles_nothing() {
+    let name = format!("cli_{}", unique_suffix());
+    sigterm_mid_stream(
+        &format!("rocketmq://127.0.0.1:9876/{name}?group={name}_g"),
+        false,
+    )
+    .await;
+}
+
 /// SIGTERM (what `docker stop`, systemd and Kubernetes send) drains: the
 /// process stops taking messages, settles what it took, prints its summary
 /// and exits 0 — also while its stdin is still open.

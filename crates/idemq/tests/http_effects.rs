@@ -709,3 +709,23 @@ async fn statuses_and_transport_errors_map_as_documented() {
     let invalid = http::send(client.post("not a url"), key).await.unwrap_err();
     assert!(!invalid.is_retryable(), "{invalid}");
 }
+
+/// A 2xx answer longer than a stored result may be is kept as its first
+/// `MAX_RESULT_BODY` bytes, marked as cut, and the rest is not read into
+/// memory.
+#[tokio::test]
+async fn a_huge_answer_is_stored_cut_to_its_first_mebibyte() {
+    let huge = "x".repeat(3 * http::MAX_RESULT_BODY);
+    let app = Router::new().route("/huge", post(move || async move { huge }));
+    let url = format!("http://{}/huge", serve(app).await);
+    let key = idempotency_key("billing", "pay-1", "charge");
+    let stored = http::send(reqwest::Client::new().post(&url).body("{}"), key)
+        .await
+        .unwrap();
+    assert_eq!(stored.status, 200);
+    assert_eq!(stored.body["truncated_to_bytes"], http::MAX_RESULT_BODY);
+    assert_eq!(
+        stored.body["text"].as_str().map(str::len),
+        Some(http::MAX_RESULT_BODY)
+    );
+}

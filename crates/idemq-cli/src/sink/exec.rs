@@ -114,19 +114,45 @@ impl ExecSink {
         group.disarm();
         let status = status
             .map_err(|e| HandlerError::retryable(format!("waiting for the command failed: {e}")))?;
-        classify(status, &out, &err)
+        if out.cut {
+            tracing::warn!(
+                max_bytes = MAX_OUTPUT,
+                "the command's output is longer than a stored result may be; its first bytes are stored"
+            );
+        }
+        classify(status, &out, &err.bytes)
     }
 }
 
-/// Reads a pipe to its end (an I/O error keeps what was read).
-async fn read_all(pipe: Option<impl AsyncRead + Unpin>) -> Vec<u8> {
-    let mut buf = Vec::new();
+/// The most of a command's stdout (its stored result) or stderr kept: 1 MiB.
+const MAX_OUTPUT: usize = 1024 * 1024;
+
+/// What was read of a pipe: at most [`MAX_OUTPUT`] bytes, and whether more
+/// came (and was read and dropped, so that the command never blocks on a
+/// full pipe). An I/O error keeps what was read.
+struct Output {
+    bytes: Vec<u8>,
+    cut: bool,
+}
+
+/// Reads a pipe to its end, keeping at most [`MAX_OUTPUT`] bytes of it.
+async fn read_all(pipe: Option<impl AsyncRead + Unpin>) -> Output {
+    let mut bytes = Vec::new();
+    let mut cut = false;
     if let Some(mut pipe) = pipe {
-        if let Err(e) = pipe.read_to_end(&mut buf).await {
+        let limit = MAX_OUTPUT as u64 + 1;
+        if let Err(e) = (&mut pipe).take(limit).read_to_end(&mut bytes).await {
             tracing::debug!(error = %e, "reading the command's output");
         }
+        if bytes.len() > MAX_OUTPUT {
+            bytes.truncate(MAX_OUTPUT);
+            cut = true;
+            if let Err(e) = tokio::io::copy(&mut pipe, &mut tokio::io::sink()).await {
+                tracing::debug!(error = %e, "draining the command's output");
+            }
+        }
     }
-    buf
+    Output { bytes, cut }
 }
 
 /// Kills a process group when dropped, unless disarmed.
@@ -152,6 +178,19 @@ impl Drop for KillGroup {
 }
 
 /// The output as a result value: JSON if it parses, else text, `null` if empty.
+/// The stored result of a command's stdout: JSON if it parses, else the
+/// text, `null` if empty; output cut at [`MAX_OUTPUT`] is stored as
+/// `{"truncated_to_bytes": N, "text": "<its first N bytes>"}`.
+fn result_value(out: &Output) -> serde_json::Value {
+    if out.cut {
+        return serde_json::json!({
+            "truncated_to_bytes": out.bytes.len(),
+            "text": String::from_utf8_lossy(&out.bytes),
+        });
+    }
+    output_value(&out.bytes)
+}
+
 fn output_value(out: &[u8]) -> serde_json::Value {
     if out.iter().all(u8::is_ascii_whitespace) {
         return serde_json::Value::Null;
@@ -174,10 +213,14 @@ fn stderr_tail(err: &[u8]) -> String {
 }
 
 /// Maps an exit status to the outcome (see the module docs).
-fn classify(status: ExitStatus, out: &[u8], err: &[u8]) -> Result<serde_json::Value, HandlerError> {
+fn classify(
+    status: ExitStatus,
+    out: &Output,
+    err: &[u8],
+) -> Result<serde_json::Value, HandlerError> {
     let tail = stderr_tail(err);
     match status.code() {
-        Some(0) => Ok(output_value(out)),
+        Some(0) => Ok(result_value(out)),
         Some(code @ (EX_TEMPFAIL | EX_UNAVAILABLE)) => Err(HandlerError::retryable(format!(
             "the command exited with {code} ({}){tail}",
             if code == EX_TEMPFAIL {
@@ -223,27 +266,49 @@ mod tests {
     use super::*;
     use std::os::unix::process::ExitStatusExt;
 
+    fn whole(bytes: &[u8]) -> Output {
+        Output {
+            bytes: bytes.to_vec(),
+            cut: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn output_past_the_cap_is_cut_and_drained() {
+        let big = vec![b'x'; MAX_OUTPUT + 10];
+        let out = read_all(Some(&big[..])).await;
+        assert!(out.cut);
+        assert_eq!(out.bytes.len(), MAX_OUTPUT);
+        let code = |c: i32| ExitStatus::from_raw(c << 8);
+        let stored = classify(code(0), &out, b"").unwrap();
+        assert_eq!(stored["truncated_to_bytes"], MAX_OUTPUT);
+    }
+
     #[test]
     fn exit_codes_map_as_documented() {
         let code = |c: i32| ExitStatus::from_raw(c << 8);
         assert_eq!(
-            classify(code(0), b"{\"ok\":true}\n", b"").unwrap(),
+            classify(code(0), &whole(b"{\"ok\":true}\n"), b"").unwrap(),
             serde_json::json!({ "ok": true })
         );
-        assert_eq!(classify(code(0), b"done\n", b"").unwrap(), "done");
+        assert_eq!(classify(code(0), &whole(b"done\n"), b"").unwrap(), "done");
         assert_eq!(
-            classify(code(0), b"", b"").unwrap(),
+            classify(code(0), &whole(b""), b"").unwrap(),
             serde_json::Value::Null
         );
-        assert!(classify(code(75), b"", b"").unwrap_err().is_retryable());
-        assert!(classify(code(69), b"", b"").unwrap_err().is_retryable());
-        let conflict = classify(code(65), b"", b"other payload").unwrap_err();
+        assert!(classify(code(75), &whole(b""), b"")
+            .unwrap_err()
+            .is_retryable());
+        assert!(classify(code(69), &whole(b""), b"")
+            .unwrap_err()
+            .is_retryable());
+        let conflict = classify(code(65), &whole(b""), b"other payload").unwrap_err();
         assert!(
             conflict.kind() == idemq::HandlerErrorKind::Conflict
                 && conflict.message().contains("other payload"),
             "{conflict:?}"
         );
-        let broken = classify(code(3), b"", b"no such account\n").unwrap_err();
+        let broken = classify(code(3), &whole(b""), b"no such account\n").unwrap_err();
         assert!(!broken.is_retryable());
         assert!(
             broken
@@ -251,7 +316,7 @@ mod tests {
                 .ends_with("exited with 3: no such account"),
             "{broken}"
         );
-        let killed = classify(ExitStatus::from_raw(9), b"", b"").unwrap_err();
+        let killed = classify(ExitStatus::from_raw(9), &whole(b""), b"").unwrap_err();
         assert!(killed.is_retryable());
         assert!(killed.to_string().contains("signal 9"), "{killed}");
         let long = vec![b'e'; MAX_REASON * 2];

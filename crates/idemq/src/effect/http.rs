@@ -101,6 +101,11 @@ pub const HEADER_NAME: HeaderName = HeaderName::from_static("idempotency-key");
 /// How much of a failed response's body goes into the error message, in bytes.
 pub const MAX_REASON_BODY: usize = 512;
 
+/// The longest 2xx body kept as a stored result: 1 MiB. A longer one is
+/// stored as `{"truncated_to_bytes": N, "text": "<its first N bytes>"}`
+/// (the call did happen; it is not repeated), and the rest is not read.
+pub const MAX_RESULT_BODY: usize = 1024 * 1024;
+
 /// The longest `Retry-After` honoured; longer ones are cut to this.
 pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
 
@@ -281,8 +286,8 @@ pub fn classify_error(err: &reqwest::Error) -> HandlerError {
     }
 }
 
-/// Reads a response's body (all of it for a 2xx, the first
-/// [`MAX_REASON_BODY`] bytes otherwise) and [`classify`]s it.
+/// Reads a response's body (up to [`MAX_RESULT_BODY`] bytes for a 2xx, the
+/// first [`MAX_REASON_BODY`] bytes otherwise) and [`classify`]s it.
 pub async fn read_response(
     mut response: reqwest::Response,
 ) -> Result<StoredResponse, HandlerError> {
@@ -290,7 +295,7 @@ pub async fn read_response(
     let headers = std::mem::take(response.headers_mut());
     let mut body = Vec::new();
     let limit = if status.is_success() {
-        usize::MAX
+        MAX_RESULT_BODY + 1
     } else {
         MAX_REASON_BODY + 1
     };
@@ -304,6 +309,21 @@ pub async fn read_response(
             Err(e) if status.is_success() => return Err(classify_error(&e)),
             Err(_) => break,
         }
+    }
+    if status.is_success() && body.len() > MAX_RESULT_BODY {
+        body.truncate(MAX_RESULT_BODY);
+        tracing::warn!(
+            status = status.as_u16(),
+            max_bytes = MAX_RESULT_BODY,
+            "the answer is longer than a stored result may be; its first bytes are stored"
+        );
+        return Ok(StoredResponse {
+            status: status.as_u16(),
+            body: serde_json::json!({
+                "truncated_to_bytes": MAX_RESULT_BODY,
+                "text": String::from_utf8_lossy(&body),
+            }),
+        });
     }
     classify(status, &headers, &body)
 }
