@@ -1088,13 +1088,26 @@ mod end_to_end {
             }
         })
         .await;
-        // Let late redeliveries (claimed after the idle time) come in too.
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // Let late redeliveries (claimed after the idle time) come in too:
+        // every copy a dying relay republished is read and dropped.
+        let committed_orders = committed.len();
+        let copies_dropped = wait_until(Duration::from_secs(20), || {
+            let (stream, duplicates) = (stream.clone(), Arc::clone(&duplicates));
+            async move {
+                let republished = read_stream(&stream)
+                    .await
+                    .len()
+                    .saturating_sub(committed_orders);
+                duplicates.load(Ordering::SeqCst) >= republished
+            }
+        })
+        .await;
         stop.send(true).unwrap();
         for task in calm {
             task.await.unwrap().unwrap();
         }
         assert!(all_in, "not everything reached the ledger");
+        assert!(copies_dropped, "republished copies were not all read");
 
         // Exactly once in the ledger; nothing lost; nothing rolled back got through.
         let rows: Vec<(String, String, i64)> = sqlx::query_as(&format!(
