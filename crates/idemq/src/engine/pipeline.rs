@@ -21,8 +21,9 @@
 //!    out what did commit);
 //! 5. failed handlers are counted outside the unit and retried or
 //!    dead-lettered; followers get their leader's answer;
-//! 6. each delivery's lane is released with its outcome, then it is
-//!    **settled** with its source and **reported**.
+//! 6. each delivery is **settled** with its source and **reported**; its
+//!    lane is released with its outcome just before the settle, or just
+//!    after the nack when it is retried after a delay.
 
 use std::collections::HashMap;
 
@@ -221,8 +222,20 @@ impl<S: Store> Consumer<S> {
                 // Every member gets an outcome above; keep the message if not.
                 None => self.busy(None, "no outcome".into()),
             };
-            member.lane.release(&outcome);
-            self.settle(&outcome, member.acker).await;
+            // A retry with a delay is nacked before its lane learns of it:
+            // the next copy of the key, deferred by the same delay, must
+            // reach the source after it, or it comes back first and wins.
+            // Without a delay the lane goes first, so that the redelivery of
+            // this very message does not queue behind its own attempt.
+            let delayed_retry =
+                matches!(&outcome, Outcome::RetryLater { delay, .. } if !delay.is_zero());
+            if delayed_retry {
+                self.settle(&outcome, member.acker).await;
+                member.lane.release(&outcome);
+            } else {
+                member.lane.release(&outcome);
+                self.settle(&outcome, member.acker).await;
+            }
             self.report(&outcome, &member.meta);
             outcomes.push(outcome);
         }
