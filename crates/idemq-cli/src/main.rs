@@ -251,9 +251,9 @@ struct ConsumeArgs {
     #[arg(long)]
     no_checkpoint: bool,
 
-    /// The largest message payload handled, from any source (e.g. `64KiB`,
-    /// `16MiB`): a larger one becomes a `too_large` dead letter holding its
-    /// first this-many bytes. A JSON line over it is not even held whole.
+    /// The largest message handled, headers and payload together, from any
+    /// source (e.g. `64KiB`, `16MiB`): a larger one becomes a `too_large`
+    /// dead letter holding its first this-many bytes. A JSON line over it is not even held whole.
     #[arg(long, alias = "max-line-bytes", value_name = "SIZE", default_value = "4MiB", value_parser = size::parse_byte_size)]
     max_message_bytes: usize,
 

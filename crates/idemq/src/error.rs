@@ -54,8 +54,8 @@ pub enum InputError {
     },
     /// The record is larger than a limit: a JSON line longer than
     /// [`JsonLinesSource::max_line_bytes`](crate::source::jsonl::JsonLinesSource::max_line_bytes),
-    /// or a payload longer than the consumer's
-    /// [`max_payload_bytes`](crate::ConsumerBuilder::max_payload_bytes);
+    /// or a message (headers and payload) larger than the consumer's
+    /// [`max_message_bytes`](crate::ConsumerBuilder::max_message_bytes);
     /// only its first `max` bytes are kept.
     #[error("record is {len} bytes, larger than the limit of {max}")]
     TooLarge {

@@ -142,6 +142,63 @@ impl Message {
     pub fn json(&self) -> Result<serde_json::Value, serde_json::Error> {
         serde_json::from_slice(&self.payload)
     }
+
+    /// The message's size as counted against
+    /// [`ConsumerBuilder::max_message_bytes`](crate::ConsumerBuilder::max_message_bytes):
+    /// its id, transport key, header names and values, and payload, in bytes.
+    ///
+    /// ```
+    /// use idemq::Message;
+    /// let message = Message::new("{}").with_key("k").with_header("h", "v");
+    /// assert_eq!(message.size_bytes(), 2 + 1 + 2);
+    /// ```
+    pub fn size_bytes(&self) -> usize {
+        let text = |s: &Option<String>| s.as_ref().map_or(0, String::len);
+        let headers: usize = self.headers.iter().map(|(n, v)| n.len() + v.len()).sum();
+        text(&self.id) + text(&self.key) + headers + self.payload.len()
+    }
+
+    /// The first `max` bytes of this message, for a record of one too large
+    /// to keep whole: its id and key (each cut at a character boundary if
+    /// need be), then its headers in order while each fits whole, then as
+    /// much of the payload as is left. `head(max).size_bytes() <= max`.
+    ///
+    /// ```
+    /// use idemq::Message;
+    /// let message = Message::new(vec![b'x'; 100]).with_header("trace", "abc");
+    /// let head = message.head(16);
+    /// assert_eq!(head.headers.get("trace"), Some(&b"abc"[..]));
+    /// assert_eq!(head.payload.len(), 16 - 8);
+    /// ```
+    pub fn head(&self, max: usize) -> Message {
+        let mut left = max;
+        let mut cut_text = |s: &Option<String>| {
+            s.as_ref().map(|s| {
+                let mut end = s.len().min(left);
+                while !s.is_char_boundary(end) {
+                    end -= 1;
+                }
+                left -= end;
+                s[..end].to_owned()
+            })
+        };
+        let id = cut_text(&self.id);
+        let key = cut_text(&self.key);
+        let mut headers = Headers::new();
+        for (name, value) in self.headers.iter() {
+            if name.len() + value.len() <= left {
+                left -= name.len() + value.len();
+                headers.insert(name, value);
+            }
+        }
+        let payload = self.payload[..self.payload.len().min(left)].to_vec();
+        Message {
+            id,
+            key,
+            headers,
+            payload,
+        }
+    }
 }
 
 /// Where and how a message was delivered.

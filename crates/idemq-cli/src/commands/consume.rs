@@ -63,7 +63,7 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
     )
     .handler(handler)
     .concurrency(args.concurrency)
-    .max_payload_bytes(args.max_message_bytes)
+    .max_message_bytes(args.max_message_bytes)
     .shutdown_grace(args.shutdown_timeout)
     .lease(args.lease)
     .in_flight(match args.in_flight {

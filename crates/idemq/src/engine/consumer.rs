@@ -52,15 +52,15 @@ pub(crate) struct Inner<S: Store> {
     pub(crate) in_flight: InFlightPolicy,
     pub(crate) concurrency: usize,
     pub(crate) lease: Duration,
-    /// Payloads longer than this are dead-lettered as too large.
-    pub(crate) max_payload_bytes: usize,
+    /// Messages larger than this ([`Message::size_bytes`](crate::Message::size_bytes)) are dead-lettered as too large.
+    pub(crate) max_message_bytes: usize,
     /// How long a stopping run waits for the deliveries in flight.
     pub(crate) shutdown_grace: Duration,
     pub(crate) on_outcome: Option<OutcomeHook>,
 }
 
-/// The default of [`ConsumerBuilder::max_payload_bytes`]: 4 MiB.
-pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 4 * 1024 * 1024;
+/// The default of [`ConsumerBuilder::max_message_bytes`]: 4 MiB.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
 /// The default of [`ConsumerBuilder::shutdown_grace`]: 20 s, inside the 30 s
 /// Kubernetes and `docker stop` give a process between SIGTERM and SIGKILL.
@@ -134,7 +134,7 @@ pub struct ConsumerBuilder<S: Store> {
     concurrency: usize,
     lease: Duration,
     handler_timeout: Option<Duration>,
-    max_payload_bytes: usize,
+    max_message_bytes: usize,
     shutdown_grace: Duration,
     on_outcome: Option<OutcomeHook>,
 }
@@ -145,8 +145,8 @@ impl<S: Store> Consumer<S> {
     /// Defaults: key `key|id` (the transport key, else the message id: set a
     /// business key with [`key`](ConsumerBuilder::key)), fingerprint of the
     /// whole payload, [`RetryPolicy::default`], conflicts dead-lettered,
-    /// 8 messages in flight, 30 s leases, no handler timeout, payloads up
-    /// to [`DEFAULT_MAX_PAYLOAD_BYTES`].
+    /// 8 messages in flight, 30 s leases, no handler timeout, messages up
+    /// to [`DEFAULT_MAX_MESSAGE_BYTES`].
     pub fn builder(name: impl Into<String>, store: impl Into<Arc<S>>) -> ConsumerBuilder<S> {
         ConsumerBuilder {
             name: name.into(),
@@ -161,7 +161,7 @@ impl<S: Store> Consumer<S> {
             concurrency: 8,
             lease: Duration::from_secs(30),
             handler_timeout: None,
-            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             on_outcome: None,
         }
@@ -341,11 +341,13 @@ impl<S: Store> ConsumerBuilder<S> {
         self
     }
 
-    /// Dead-letters a message whose payload is longer than `bytes` with
-    /// the reason `too_large`, before its key is read and without running
-    /// the handler; its dead letter keeps only the first `bytes` bytes.
-    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
-        self.max_payload_bytes = bytes;
+    /// Dead-letters a message larger than `bytes` (id, transport key,
+    /// headers and payload: [`Message::size_bytes`](crate::Message::size_bytes))
+    /// with the reason `too_large`, before its key is read and without
+    /// running the handler; its dead letter keeps only its first `bytes`
+    /// bytes ([`Message::head`](crate::Message::head)).
+    pub fn max_message_bytes(mut self, bytes: usize) -> Self {
+        self.max_message_bytes = bytes;
         self
     }
 
@@ -417,7 +419,7 @@ impl<S: Store> ConsumerBuilder<S> {
                 in_flight: self.in_flight,
                 concurrency: self.concurrency,
                 lease: self.lease,
-                max_payload_bytes: self.max_payload_bytes,
+                max_message_bytes: self.max_message_bytes,
                 shutdown_grace: self.shutdown_grace,
                 on_outcome: self.on_outcome,
             }),

@@ -36,7 +36,7 @@ pub mod watermark;
 
 pub use batch::BatchOptions;
 pub use consumer::{
-    validate_consumer_name, Consumer, ConsumerBuilder, DEFAULT_MAX_PAYLOAD_BYTES,
+    validate_consumer_name, Consumer, ConsumerBuilder, DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_SHUTDOWN_GRACE,
 };
 pub use handler::layers;

@@ -411,15 +411,15 @@ mod tests {
     use crate::store::StoreAdmin;
     use crate::{Consumer, HandlerError, KeySpec, Message, OutcomeKind};
 
-    /// A payload over `max_payload_bytes` is dead-lettered as `too_large`
+    /// A payload over `max_message_bytes` is dead-lettered as `too_large`
     /// without running the handler, and its letter keeps only the first
-    /// `max_payload_bytes` bytes; the messages around it are handled.
+    /// `max_message_bytes` bytes; the messages around it are handled.
     #[tokio::test]
     async fn a_payload_over_the_limit_is_dead_lettered_with_its_head_only() {
         let calls = Arc::new(AtomicU32::new(0));
         let consumer = Consumer::builder("capped", MemoryStore::new())
             .key(KeySpec::json("/id"))
-            .max_payload_bytes(64)
+            .max_message_bytes(64)
             .handler_fn({
                 let calls = Arc::clone(&calls);
                 move |_ctx, _lease| {
@@ -445,6 +445,42 @@ mod tests {
         assert_eq!(letters[0].message.payload.len(), 64);
         assert!(
             letters[0].error.contains("217 bytes"),
+            "{}",
+            letters[0].error
+        );
+    }
+
+    /// Headers count against `max_message_bytes`: a small payload with a
+    /// huge header is `too_large`, and its letter keeps the headers that
+    /// fit and drops the one that does not, staying within the limit.
+    #[tokio::test]
+    async fn a_huge_header_makes_a_message_too_large_and_is_dropped_from_its_letter() {
+        let consumer = Consumer::builder("capped-headers", MemoryStore::new())
+            .key(KeySpec::json("/id"))
+            .max_message_bytes(1024)
+            .handler_fn(|_ctx, _lease| Box::pin(async { Ok(None) }))
+            .build()
+            .unwrap();
+        let queue = MemoryQueue::new("q");
+        queue.push(Message::new(r#"{"id":1}"#).with_header("trace", "t-1"));
+        queue.push(
+            Message::new(r#"{"id":2}"#)
+                .with_header("trace", "t-2")
+                .with_header("blob", vec![b'b'; 4096]),
+        );
+        queue.close();
+        let summary = consumer.run(queue.source()).await.unwrap();
+        assert_eq!(summary.count(OutcomeKind::Processed), 1, "{summary}");
+        assert_eq!(summary.count(OutcomeKind::DeadLettered), 1, "{summary}");
+        let letters = consumer.store().dead_letters(None, 0, 10).await.unwrap();
+        assert_eq!(letters[0].reason, "too_large");
+        let kept = &letters[0].message;
+        assert_eq!(kept.headers.get("trace"), Some(&b"t-2"[..]));
+        assert_eq!(kept.headers.get("blob"), None);
+        assert_eq!(kept.payload, br#"{"id":2}"#);
+        assert!(kept.size_bytes() <= 1024);
+        assert!(
+            letters[0].error.contains("4116 bytes"),
             "{}",
             letters[0].error
         );

@@ -88,10 +88,11 @@ impl<S: Store> Consumer<S> {
         if let Some(defect) = defect {
             return Err((None, DeadLetterReason::InvalidInput(defect.clone())));
         }
-        if message.payload.len() > inner.max_payload_bytes {
+        let size = message.size_bytes();
+        if size > inner.max_message_bytes {
             let too_large = InputError::TooLarge {
-                len: message.payload.len() as u64,
-                max: inner.max_payload_bytes,
+                len: size as u64,
+                max: inner.max_message_bytes,
             };
             return Err((None, DeadLetterReason::InvalidInput(too_large)));
         }
@@ -281,16 +282,13 @@ impl<S: Store> Consumer<S> {
         meta: &DeliveryMeta,
         attempts: u32,
     ) -> Outcome {
-        // A payload over the limit is kept only up to it.
+        // A message over the limit is kept only up to it.
         let cut;
         let message = match &reason {
             DeadLetterReason::InvalidInput(InputError::TooLarge { max, .. })
-                if message.payload.len() > *max =>
+                if message.size_bytes() > *max =>
             {
-                cut = Message {
-                    payload: message.payload[..*max].to_vec(),
-                    ..message.clone()
-                };
+                cut = message.head(*max);
                 &cut
             }
             _ => message,
