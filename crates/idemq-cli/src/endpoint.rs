@@ -61,6 +61,30 @@ impl FromStr for Endpoint {
     }
 }
 
+/// The comma-separated `host[:port]` list after a URL's `scheme://` (user
+/// info dropped), each with `default_port` where it names none.
+fn hosts_of(rest: &str, default_port: u16) -> Vec<String> {
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let hosts = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, hosts)| hosts);
+    hosts
+        .split(',')
+        .filter(|host| !host.is_empty())
+        .map(|host| {
+            let has_port = match host.rsplit_once(']') {
+                Some((_, after)) => after.starts_with(':'),
+                None => host.contains(':'),
+            };
+            if has_port {
+                host.to_owned()
+            } else {
+                format!("{host}:{default_port}")
+            }
+        })
+        .collect()
+}
+
 impl Endpoint {
     /// The broker behind the endpoint; `None` for files and `-`.
     pub fn broker(&self) -> Option<&'static Broker> {
@@ -68,6 +92,44 @@ impl Endpoint {
             Endpoint::Broker { broker, .. } => Some(broker),
             Endpoint::File(_) | Endpoint::Std => None,
         }
+    }
+
+    /// The `host:port` addresses whose reachability `/readyz` checks: the
+    /// broker URL's hosts (the port defaulting to the scheme's), or for
+    /// `sqs://` its `endpoint=`; `None` where there is nothing to probe (a
+    /// file, stdin, SQS on AWS's own endpoint, reached through the SDK).
+    pub fn probe_addresses(&self) -> Option<Vec<String>> {
+        let Endpoint::Broker { url, .. } = self else {
+            return None;
+        };
+        let (scheme, rest) = url.split_once("://")?;
+        let scheme = scheme.to_ascii_lowercase();
+        if scheme == "sqs" {
+            let query = rest.split_once('?')?.1;
+            let endpoint = query
+                .split('&')
+                .find_map(|pair| pair.strip_prefix("endpoint="))?;
+            let endpoint = endpoint.replace("%3A", ":").replace("%2F", "/");
+            let (inner, rest) = endpoint.split_once("://")?;
+            let port = if inner.eq_ignore_ascii_case("https") {
+                443
+            } else {
+                80
+            };
+            return Some(hosts_of(rest, port));
+        }
+        let port = match scheme.as_str() {
+            "kafka" => 9092,
+            "amqp" => 5672,
+            "amqps" => 5671,
+            "nats" => 4222,
+            "redis-stream" => 6379,
+            "mqtt" => 1883,
+            "mqtts" => 8883,
+            "rocketmq" => 9876,
+            _ => return None,
+        };
+        Some(hosts_of(rest, port))
     }
 
     /// Whether offset-watermark mode (`--watermark`) can consume it.
@@ -253,6 +315,29 @@ mod tests {
             Ok(Endpoint::File(_))
         ));
         assert!("ftp://x/y".parse::<Endpoint>().is_err());
+    }
+
+    #[test]
+    fn probe_addresses_come_from_the_url_with_default_ports() {
+        let probe = |url: &str| url.parse::<Endpoint>().unwrap().probe_addresses();
+        assert_eq!(
+            probe("kafka://k1:9093,k2/orders?group=g"),
+            Some(vec!["k1:9093".into(), "k2:9092".into()])
+        );
+        assert_eq!(
+            probe("amqps://u:p@rabbit/%2f?queue=q"),
+            Some(vec!["rabbit:5671".into()])
+        );
+        assert_eq!(
+            probe("mqtt://[::1]:1884/t?client_id=c"),
+            Some(vec!["[::1]:1884".into()])
+        );
+        assert_eq!(
+            probe("sqs://orders?endpoint=http://127.0.0.1:5000&region=us-east-1"),
+            Some(vec!["127.0.0.1:5000".into()])
+        );
+        assert_eq!(probe("sqs://orders?region=eu-west-1"), None);
+        assert_eq!(probe("in.jsonl"), None);
     }
 
     #[test]

@@ -10,6 +10,7 @@ mod commands;
 mod endpoint;
 mod exit;
 mod interrupt;
+mod ops;
 mod output;
 mod progress;
 mod sink;
@@ -267,6 +268,12 @@ struct ConsumeArgs {
     /// below the platform's own grace (Kubernetes and `docker stop`: 30s).
     #[arg(long, default_value = "20s", value_name = "DURATION", value_parser = humantime::parse_duration)]
     shutdown_timeout: Duration,
+
+    /// Serve `/metrics` (Prometheus), `/healthz` and `/readyz` (the store
+    /// answers, the source's broker accepts a connection) on this address
+    /// while consuming, e.g. `127.0.0.1:9464` or `0.0.0.0:9464`.
+    #[arg(long, value_name = "ADDR")]
+    http_addr: Option<std::net::SocketAddr>,
 
     /// Do not create or upgrade the idemq tables before consuming.
     #[arg(long)]

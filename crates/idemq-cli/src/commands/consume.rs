@@ -1,6 +1,7 @@
 //! `idemq consume`: a JSON-lines file, stdin or a broker, exactly once into the store.
 
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use idemq::engine::{BatchOptions, WatermarkOptions};
@@ -11,6 +12,7 @@ use idemq::{ConflictPolicy, Consumer, InFlightPolicy, OutcomeKind, Summary};
 
 use crate::backend::Backend;
 use crate::interrupt::Interrupt;
+use crate::ops;
 use crate::output::shell_word;
 use crate::progress::Progress;
 use crate::{exit, sink, ConsumeArgs, InFlight};
@@ -75,6 +77,20 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
     }
     let consumer = builder.build().map_err(exit::usage)?;
     let store = consumer.store();
+    if let Some(addr) = args.http_addr {
+        let mut ready = vec![("store", store_answers(store))];
+        if let Some(addresses) = args.input.probe_addresses() {
+            ready.push(("source", ops::reachable(addresses)));
+        }
+        ops::serve(
+            addr,
+            ops::Ops {
+                ready,
+                on_scrape: None,
+            },
+        )
+        .await?;
+    }
 
     if !args.no_migrate {
         store
@@ -133,6 +149,15 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
         ExitCode::from(exit::INTERRUPTED)
     } else {
         ExitCode::SUCCESS
+    })
+}
+
+/// A readiness check: `store` answers a ping.
+fn store_answers<B: Backend>(store: &Arc<B>) -> ops::Probe {
+    let store = Arc::clone(store);
+    Arc::new(move || {
+        let store = Arc::clone(&store);
+        Box::pin(async move { store.ping().await.map_err(|e| e.to_string()) })
     })
 }
 

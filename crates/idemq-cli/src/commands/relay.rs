@@ -15,6 +15,7 @@ use idemq::source::Publisher;
 use crate::backend::{Kind, StoreUrl};
 use crate::endpoint::Endpoint;
 use crate::interrupt::Interrupt;
+use crate::ops;
 use crate::{exit, GlobalArgs};
 
 /// `idemq relay`.
@@ -63,6 +64,12 @@ pub struct RelayArgs {
     /// `Outbox::migrate` does the same).
     #[arg(long)]
     pub migrate: bool,
+
+    /// Serve `/metrics` (Prometheus, with the outbox backlog and its lag read
+    /// at each scrape), `/healthz` and `/readyz` (the database and the
+    /// destination answer) on this address while relaying.
+    #[arg(long, value_name = "ADDR")]
+    pub http_addr: Option<std::net::SocketAddr>,
 }
 
 /// Connects to the store and the destination and relays until Ctrl-C or
@@ -128,6 +135,9 @@ async fn relay<DB: OutboxDatabase>(
     options.publish_timeout = args.publish_timeout;
     options.max_attempts = (args.max_attempts > 0).then_some(args.max_attempts);
     options.name = format!("relay-{}", std::process::id());
+    if let Some(addr) = args.http_addr {
+        serve_ops(addr, &pool, &outbox, &args.to).await?;
+    }
     let relay = Relay::new(pool, outbox, publisher, options).only(args.destinations.clone());
     let interrupt = Interrupt::listen();
     let stats = relay
@@ -148,6 +158,47 @@ async fn relay<DB: OutboxDatabase>(
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// `--http-addr`: readiness is the database answering and the destination
+/// accepting a connection; each scrape first reads the outbox backlog.
+async fn serve_ops<DB: OutboxDatabase>(
+    addr: std::net::SocketAddr,
+    pool: &sqlx::Pool<DB>,
+    outbox: &Outbox<DB>,
+    to: &Endpoint,
+) -> Result<()> {
+    let backlog: ops::Probe = {
+        let (pool, outbox) = (pool.clone(), outbox.clone());
+        Arc::new(move || {
+            let (pool, outbox) = (pool.clone(), outbox.clone());
+            Box::pin(async move {
+                let backlog = outbox.backlog(&pool).await.map_err(|e| e.to_string())?;
+                backlog.record(outbox.table());
+                Ok(())
+            })
+        })
+    };
+    let database: ops::Probe = {
+        let pool = pool.clone();
+        Arc::new(move || {
+            let pool = pool.clone();
+            Box::pin(async move { pool.acquire().await.map(drop).map_err(|e| e.to_string()) })
+        })
+    };
+    let mut ready = vec![("database", database)];
+    if let Some(addresses) = to.probe_addresses() {
+        ready.push(("destination", ops::reachable(addresses)));
+    }
+    ops::serve(
+        addr,
+        ops::Ops {
+            ready,
+            on_scrape: Some(backlog),
+        },
+    )
+    .await?;
+    Ok(())
 }
 
 /// Adds a hint to a missing table.

@@ -91,6 +91,13 @@ impl KeyLanes {
 }
 
 impl LaneTicket {
+    /// Whether an earlier delivery of the key is still in its lane.
+    pub(crate) fn waits(&self) -> bool {
+        self.previous
+            .as_ref()
+            .is_some_and(|previous| previous.borrow().is_none())
+    }
+
     /// Waits until the previous delivery of the key (if any) has ended, and
     /// says how. A previous delivery whose task died unsettled counts as
     /// [`LaneEnd::Settled`]: its source redelivers it, and the inbox answers.

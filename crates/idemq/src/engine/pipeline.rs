@@ -278,7 +278,11 @@ impl<S: Store> Consumer<S> {
             })
             .collect();
         let mut unit = mode.open(self, careful);
-        let answers = match unit.claim(&claims).await {
+        let started = std::time::Instant::now();
+        let claimed = unit.claim(&claims).await;
+        metrics::histogram!("idemq_claim_seconds", "consumer" => inner.name.clone())
+            .record(started.elapsed().as_secs_f64());
+        let answers = match claimed {
             Ok(answers) => {
                 // The named points mark the states of new work: a unit whose
                 // members were all answered (duplicates) passes none of them.
@@ -363,9 +367,11 @@ impl<S: Store> Consumer<S> {
                 let results: Vec<(usize, Option<&serde_json::Value>)> =
                     done.iter().map(|(n, value)| (*n, value.as_ref())).collect();
                 crate::failpoint::failpoint!("before_commit", if !results.is_empty());
-                unit.complete(&claims, &results)
-                    .await
-                    .map_err(|e| format!("commit failed: {e}"))
+                let started = std::time::Instant::now();
+                let completed = unit.complete(&claims, &results).await;
+                metrics::histogram!("idemq_commit_seconds", "consumer" => inner.name.clone())
+                    .record(started.elapsed().as_secs_f64());
+                completed.map_err(|e| format!("commit failed: {e}"))
             }
         };
         for (n, record) in answered {

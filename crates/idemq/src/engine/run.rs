@@ -12,7 +12,7 @@ use tokio::task::{JoinError, JoinSet};
 use tokio::time::Instant;
 
 use super::consumer::{lane_key, Consumer, Identity};
-use super::lanes::{KeyLanes, LaneEnd, LaneRelease};
+use super::lanes::{KeyLanes, LaneEnd, LaneRelease, LaneTicket};
 use super::pipeline::Member;
 use super::unit::single::PerMessage;
 use super::unit::Mode;
@@ -101,7 +101,38 @@ impl<S: Store, M: Mode<S> + Clone + 'static> Runner<S> for Direct<M> {
 }
 
 /// A member ready for a unit, with the read-ahead room it holds.
-type Ready = (Member, Identity, OwnedSemaphorePermit);
+type Ready = (Member, Identity, Admission);
+
+/// A delivery's room in the read-ahead, held from its read until it is
+/// settled; counted in the gauge `idemq_in_flight` meanwhile.
+struct Admission {
+    _permit: OwnedSemaphorePermit,
+    _counted: Counted,
+}
+
+/// One unit of a gauge, from its creation until its drop (an aborted task
+/// included).
+struct Counted(metrics::Gauge);
+
+impl Counted {
+    fn new(gauge: &metrics::Gauge) -> Self {
+        gauge.increment(1.0);
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.decrement(1.0);
+    }
+}
+
+/// Waits for the earlier delivery of `ticket`'s key, counted in the gauge
+/// `idemq_lane_waiting` while it does.
+async fn wait_counted(ticket: &mut LaneTicket, waiting: &metrics::Gauge) -> Option<LaneEnd> {
+    let _waiting = ticket.waits().then(|| Counted::new(waiting));
+    ticket.wait().await
+}
 
 impl<S: Store> Consumer<S> {
     /// Runs `source` until it ends, with up to
@@ -173,6 +204,9 @@ impl<S: Store> Consumer<S> {
         let admitted = Arc::new(Semaphore::new(read_ahead));
         let running = Arc::new(Semaphore::new(concurrency));
         let lanes = Arc::new(KeyLanes::default());
+        let in_flight = metrics::gauge!("idemq_in_flight", "consumer" => self.inner.name.clone());
+        let lane_waiting =
+            metrics::gauge!("idemq_lane_waiting", "consumer" => self.inner.name.clone());
         // Units of many are formed by one task from the members whose turn
         // in their lane has come; a unit of one runs in its member's task.
         // In a JoinSet, so that dropping this future (a cancelled run)
@@ -199,9 +233,9 @@ impl<S: Store> Consumer<S> {
             while let Some(done) = tasks.try_join_next() {
                 count(&mut summary, done);
             }
-            let admission = tokio::select! {
+            let permit = tokio::select! {
                 permit = Arc::clone(&admitted).acquire_owned() => match permit {
-                    Ok(p) => p,
+                    Ok(permit) => permit,
                     Err(_) => break,
                 },
                 _ = &mut shutdown => { stopped = true; break },
@@ -219,18 +253,23 @@ impl<S: Store> Consumer<S> {
                     break;
                 }
             };
+            let admission = Admission {
+                _permit: permit,
+                _counted: Counted::new(&in_flight),
+            };
             let identity = self.identify(&delivery.message, delivery.defect.as_ref());
             let ticket = lane_key(&identity).map(|key| lanes.admit(key.to_owned()));
             let consumer = self.clone();
             let mode = mode.clone();
             let running = Arc::clone(&running);
             let ready = ready.clone();
+            let lane_waiting = lane_waiting.clone();
             tasks.spawn(async move {
                 // The lane is released once the outcome is decided, before
                 // the settle (see `LaneRelease`).
                 let lane = match ticket {
                     None => LaneRelease::none(),
-                    Some(mut ticket) => match ticket.wait().await {
+                    Some(mut ticket) => match wait_counted(&mut ticket, &lane_waiting).await {
                         Some(LaneEnd::RetryLater(delay)) => {
                             ticket.finish(LaneEnd::RetryLater(delay));
                             let key = lane_key(&identity).map(str::to_owned);

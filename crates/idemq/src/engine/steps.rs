@@ -75,6 +75,14 @@ impl<S: Store> Consumer<S> {
             "outcome" => outcome.kind().as_str()
         )
         .increment(1);
+        if let Outcome::DeadLettered { reason, .. } = outcome {
+            metrics::counter!(
+                "idemq_dead_letters_total",
+                "consumer" => self.inner.name.clone(),
+                "reason" => reason.code()
+            )
+            .increment(1);
+        }
         if let Some(hook) = &self.inner.on_outcome {
             hook(outcome);
         }

@@ -420,4 +420,58 @@ impl<DB: OutboxDatabase> Outbox<DB> {
         let n = db::fetch_ints::<DB>(&mut conn, &self.statements.count, &[]).await?;
         Ok(n.first().map_or(0, |n| u64::try_from(*n).unwrap_or(0)))
     }
+
+    /// What waits in the outbox and its dead-letter table, in three short
+    /// queries; [`Backlog::record`] sets the relay's gauges from it.
+    pub async fn backlog(&self, pool: &sqlx::Pool<DB>) -> Result<Backlog, OutboxError> {
+        let mut conn = pool.acquire().await?;
+        let first = |n: Vec<i64>| n.first().copied();
+        let count = |n: Option<i64>| n.map_or(0, |n| u64::try_from(n).unwrap_or(0));
+        let statements = &self.statements;
+        let rows = count(first(
+            db::fetch_ints::<DB>(&mut conn, &statements.count, &[]).await?,
+        ));
+        let oldest = first(db::fetch_ints::<DB>(&mut conn, &statements.oldest, &[]).await?);
+        let dead_rows = count(first(
+            db::fetch_ints::<DB>(&mut conn, &statements.dead_count, &[]).await?,
+        ));
+        Ok(Backlog {
+            rows,
+            // Rows written without `created_at` (0) tell no age.
+            oldest_created_ms: oldest.filter(|ms| *ms > 0),
+            dead_rows,
+        })
+    }
+}
+
+/// What waits in an outbox ([`Outbox::backlog`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Backlog {
+    /// Rows in the outbox: unpublished, or published and not yet deleted.
+    pub rows: u64,
+    /// When the oldest of them was written, ms since the epoch, if known.
+    pub oldest_created_ms: Option<i64>,
+    /// Rows in the dead-letter table.
+    pub dead_rows: u64,
+}
+
+impl Backlog {
+    /// How long the oldest row has waited (zero when the outbox is empty).
+    pub fn lag(&self) -> std::time::Duration {
+        let waited = self
+            .oldest_created_ms
+            .map_or(0, |ms| crate::store::now_ms().saturating_sub(ms));
+        std::time::Duration::from_millis(u64::try_from(waited).unwrap_or(0))
+    }
+
+    /// Sets the gauges `idemq_outbox_backlog_rows`, `idemq_outbox_lag_seconds`
+    /// and `idemq_outbox_dead_rows` (label `table`) through the `metrics` facade.
+    pub fn record(&self, table: &str) {
+        let table = table.to_owned();
+        metrics::gauge!("idemq_outbox_backlog_rows", "table" => table.clone())
+            .set(self.rows as f64);
+        metrics::gauge!("idemq_outbox_lag_seconds", "table" => table.clone())
+            .set(self.lag().as_secs_f64());
+        metrics::gauge!("idemq_outbox_dead_rows", "table" => table).set(self.dead_rows as f64);
+    }
 }

@@ -42,6 +42,10 @@ pub(crate) struct Statements {
     pub dead_rows: String,
     /// Returns the row count.
     pub count: String,
+    /// Returns the `created_at` of the oldest row (the lowest `seq`).
+    pub oldest: String,
+    /// Returns the dead-letter table's row count.
+    pub dead_count: String,
     /// The versioned steps: the table, its index and (PostgreSQL) the
     /// NOTIFY trigger; then the dead-letter table.
     pub migrations: Vec<(i64, Vec<String>)>,
@@ -71,6 +75,8 @@ impl Statements {
             dead_letter: finish(dialect, dead_letter),
             dead_rows: String::new(),
             count: format!("SELECT COUNT(*) FROM {table}"),
+            oldest: format!("SELECT created_at FROM {table} ORDER BY seq LIMIT 1"),
+            dead_count: format!("SELECT COUNT(*) FROM {dead_table}"),
             migrations: vec![
                 (OUTBOX_SCHEMA_VERSION, create(dialect, table)),
                 (

@@ -248,6 +248,10 @@ impl<S: Store> Store for CachedStore<S> {
 
 #[async_trait]
 impl<S: StoreAdmin> StoreAdmin for CachedStore<S> {
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+
     async fn migrate(&self) -> Result<(), StoreError> {
         self.inner.migrate().await
     }

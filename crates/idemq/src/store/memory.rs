@@ -283,6 +283,11 @@ impl EffectJournal for MemoryStore {
 
 #[async_trait]
 impl StoreAdmin for MemoryStore {
+    /// Always answers: it is in this process.
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     async fn migrate(&self) -> Result<(), StoreError> {
         Ok(())
     }

@@ -234,6 +234,11 @@ pub trait Store: Send + Sync + 'static {
 /// Operations off the hot path: schema, retention, inspection, dead letters.
 #[async_trait]
 pub trait StoreAdmin: Send + Sync {
+    /// One cheap round trip to the store (`SELECT 1`, `PING`): whether it
+    /// answers now, for readiness checks. Bound it with a timeout: a store
+    /// that does not answer may keep it waiting.
+    async fn ping(&self) -> Result<(), StoreError>;
+
     /// Creates or upgrades the store's tables (idempotent).
     async fn migrate(&self) -> Result<(), StoreError>;
 

@@ -87,6 +87,14 @@ macro_rules! suite {
             crate::scenarios::a_later_copy_never_overtakes_one_waiting_for_its_retry::<$backend>()
                 .await
         }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn the_store_answers_a_ping() {
+            let backend = <$backend as crate::backend::Backend>::fresh().await;
+            idemq::store::StoreAdmin::ping(&crate::backend::Backend::store(&backend))
+                .await
+                .expect("ping");
+            crate::backend::Backend::cleanup(backend).await;
+        }
     };
 }
 pub(crate) use suite;

@@ -66,6 +66,11 @@ impl RedisStore {
 
 #[async_trait]
 impl StoreAdmin for RedisStore {
+    async fn ping(&self) -> Result<(), StoreError> {
+        let _: String = self.query(&redis::cmd("PING")).await?;
+        Ok(())
+    }
+
     /// Redis needs no schema: a no-op success.
     async fn migrate(&self) -> Result<(), StoreError> {
         Ok(())

@@ -388,6 +388,12 @@ impl<DB: SqlDatabase> Store for SqlStore<DB> {
 
 #[async_trait::async_trait]
 impl<DB: SqlDatabase> StoreAdmin for SqlStore<DB> {
+    async fn ping(&self) -> Result<(), StoreError> {
+        Self::execute_on(&self.pool, "SELECT 1", &[])
+            .await
+            .map(drop)
+    }
+
     async fn migrate(&self) -> Result<(), StoreError> {
         migrate::<DB>(&self.pool, &self.queries, &self.queries.migrations, "inbox")
             .await

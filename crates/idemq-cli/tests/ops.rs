@@ -1,0 +1,326 @@
+//! `consume --http-addr`: `/metrics` counts what the summary counts,
+//! `/healthz` answers, and `/readyz` follows the store: unready while the
+//! PostgreSQL connection is cut (a proxy in front of the real server stops
+//! passing bytes), ready again once it passes them.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_idemq");
+
+/// A TCP proxy to `upstream` that can be cut (every connection closed,
+/// new ones refused) and restored.
+struct Proxy {
+    port: u16,
+    up: Arc<AtomicBool>,
+    open: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Proxy {
+    fn start(upstream: &'static str) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let up = Arc::new(AtomicBool::new(true));
+        let open: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (accept_up, accept_open) = (Arc::clone(&up), Arc::clone(&open));
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                if !accept_up.load(Ordering::SeqCst) {
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(upstream) else {
+                    continue;
+                };
+                let mut open = accept_open.lock().unwrap();
+                open.push(client.try_clone().unwrap());
+                open.push(server.try_clone().unwrap());
+                for (mut from, mut to) in [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                    (server, client),
+                ] {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Proxy { port, up, open }
+    }
+
+    fn cut(&self) {
+        self.up.store(false, Ordering::SeqCst);
+        for stream in self.open.lock().unwrap().drain(..) {
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn restore(&self) {
+        self.up.store(true, Ordering::SeqCst);
+    }
+}
+
+/// `GET path` on `port`: (status, body).
+fn get(port: u16, path: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect --http-addr");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// The value of the series `name{labels}` (labels in the exporter's
+/// order, as written), 0 when absent.
+fn series(metrics: &str, name_and_labels: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Polls `check` every 100 ms until it holds, for at most `limit`.
+fn eventually(limit: Duration, what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !check() {
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not happen within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[cfg(feature = "postgres")]
+#[test]
+fn metrics_count_what_the_summary_counts_and_readiness_follows_the_store() {
+    let proxy = Proxy::start("127.0.0.1:5432");
+    let store = format!("postgres://postgres@127.0.0.1:{}/test", proxy.port);
+    let consumer = format!("ops-{}-{}", std::process::id(), free_port());
+    let port = free_port();
+    let mut child = Command::new(BIN)
+        .args(["--store", &store, "--table-prefix", "idemq_ops_"])
+        .args(["consume", "--consumer", &consumer, "--key", "json:/id"])
+        .args(["--print", "--http-addr", &format!("127.0.0.1:{port}"), "-"])
+        .env_remove("IDEMQ_STORE")
+        .env_remove("IDEMQ_TABLE_PREFIX")
+        .env_remove("IDEMQ_CONSUMER")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn idemq");
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    // 40 messages, 10 of them again (duplicates) and one not JSON.
+    let mut lines = String::new();
+    for n in (0..40).chain(0..10) {
+        lines.push_str(&format!("{{\"id\":\"m-{n}\",\"amount\":{n}}}\n"));
+    }
+    lines.push_str("not json\n");
+    stdin.write_all(lines.as_bytes()).unwrap();
+    stdin.flush().unwrap();
+    for _ in 0..40 {
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("a printed message");
+    }
+
+    let outcome = |metrics: &str, outcome: &str| {
+        series(
+            metrics,
+            &format!("idemq_messages_total{{consumer=\"{consumer}\",outcome=\"{outcome}\"}}"),
+        )
+    };
+    let mut metrics = String::new();
+    eventually(Duration::from_secs(20), "51 outcomes counted", || {
+        metrics = get(port, "/metrics").1;
+        ["processed", "duplicate", "dead_lettered"]
+            .iter()
+            .map(|o| outcome(&metrics, o))
+            .sum::<f64>()
+            == 51.0
+    });
+    assert_eq!(outcome(&metrics, "processed"), 40.0, "{metrics}");
+    assert_eq!(outcome(&metrics, "duplicate"), 10.0, "{metrics}");
+    assert_eq!(outcome(&metrics, "dead_lettered"), 1.0, "{metrics}");
+    let letters =
+        format!("idemq_dead_letters_total{{consumer=\"{consumer}\",reason=\"malformed_record\"}}");
+    assert_eq!(series(&metrics, &letters), 1.0, "{metrics}");
+    for histogram in [
+        "idemq_claim_seconds",
+        "idemq_commit_seconds",
+        "idemq_handler_seconds",
+    ] {
+        let count = format!("{histogram}_count{{consumer=\"{consumer}\"}}");
+        assert!(series(&metrics, &count) >= 40.0, "{count} in {metrics}");
+    }
+    assert_eq!(
+        series(
+            &metrics,
+            &format!("idemq_in_flight{{consumer=\"{consumer}\"}}")
+        ),
+        0.0,
+        "{metrics}"
+    );
+
+    assert_eq!(get(port, "/healthz"), (200, "ok\n".to_owned()));
+    assert_eq!(get(port, "/readyz"), (200, "store: ok\n".to_owned()));
+    proxy.cut();
+    eventually(Duration::from_secs(10), "/readyz answering 503", || {
+        get(port, "/readyz").0 == 503
+    });
+    assert!(get(port, "/readyz").1.starts_with("store: "));
+    assert_eq!(get(port, "/healthz").0, 200, "alive while unready");
+    proxy.restore();
+    eventually(
+        Duration::from_secs(20),
+        "/readyz answering 200 again",
+        || get(port, "/readyz").0 == 200,
+    );
+
+    // Close stdin: the run ends, and its summary says what /metrics said.
+    drop(stdin);
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{rest}");
+    assert!(
+        rest.contains(&format!(
+            "consumer {consumer}: processed=40 duplicate=10 conflict=0 retry_later=0 dead_lettered=1"
+        )),
+        "{rest}"
+    );
+}
+
+/// A busy `--http-addr` is a usage error (exit 2), before anything is consumed.
+#[test]
+fn an_address_in_use_is_a_usage_error() {
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("idemq.db").display());
+    let out = Command::new(BIN)
+        .args(["--store", &store, "consume", "--consumer", "c", "--print"])
+        .args(["--http-addr", &addr, "-"])
+        .env_remove("IDEMQ_STORE")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:#?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&addr),
+        "{out:#?}"
+    );
+}
+
+/// `relay --http-addr`: each scrape reads the outbox backlog — three rows
+/// of a destination this relay does not serve wait, the oldest written 5 s
+/// ago — and `/readyz` checks the database.
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn relay_metrics_show_the_outbox_backlog_and_its_lag() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let store = format!("sqlite://{}", path.display());
+    let out = dir.path().join("out.jsonl");
+    let out = out.to_str().unwrap();
+    let created = Command::new(BIN)
+        .args(["--store", &store, "relay", "--migrate", "--to", out])
+        .args(["--idle-exit", "100ms"])
+        .env_remove("IDEMQ_STORE")
+        .env_remove("IDEMQ_TABLE_PREFIX")
+        .output()
+        .unwrap();
+    assert!(created.status.success(), "{created:#?}");
+    let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    for n in 0..3 {
+        sqlx::query(
+            "INSERT INTO idemq_outbox (id, aggregatetype, aggregateid, type, payload, created_at) \
+             VALUES (?, 'payments', 'acc-1', 'PaymentCaptured', '{}', ?)",
+        )
+        .bind(format!("e-{n}"))
+        .bind(now_ms - 5_000 + n)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    pool.close().await;
+
+    let port = free_port();
+    let mut child = Command::new(BIN)
+        .args([
+            "--store",
+            &store,
+            "relay",
+            "--to",
+            out,
+            "--destination",
+            "refunds",
+        ])
+        .args(["--http-addr", &format!("127.0.0.1:{port}")])
+        .env_remove("IDEMQ_STORE")
+        .env_remove("IDEMQ_TABLE_PREFIX")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let scrape = move || {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(stream) = TcpStream::connect(("127.0.0.1", port)) {
+                drop(stream);
+                break get(port, "/metrics").1;
+            }
+            assert!(Instant::now() < deadline, "--http-addr never opened");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let metrics = tokio::task::spawn_blocking(scrape).await.unwrap();
+    let ready = tokio::task::spawn_blocking(move || get(port, "/readyz")).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    let table = "{table=\"idemq_outbox\"}";
+    assert_eq!(
+        series(&metrics, &format!("idemq_outbox_backlog_rows{table}")),
+        3.0,
+        "{metrics}"
+    );
+    let lag = series(&metrics, &format!("idemq_outbox_lag_seconds{table}"));
+    assert!((5.0..60.0).contains(&lag), "lag {lag}: {metrics}");
+    assert_eq!(
+        series(&metrics, &format!("idemq_outbox_dead_rows{table}")),
+        0.0,
+        "{metrics}"
+    );
+    assert_eq!(ready.unwrap(), (200, "database: ok\n".to_owned()));
+}
