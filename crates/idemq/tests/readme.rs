@@ -65,6 +65,9 @@ fn the_dashboard_and_the_docs_name_exactly_the_emitted_series() {
     let operations = std::fs::read_to_string(root.join("docs/operations.md")).unwrap();
     let listed = names_after(&operations, "| `");
     for name in &emitted {
-        assert!(listed.contains(name), "{name} is not in docs/operations.md's table");
+        assert!(
+            listed.contains(name),
+            "{name} is not in docs/operations.md's table"
+        );
     }
 }

@@ -6,6 +6,7 @@
 //! order was applied exactly once and every poison message dead-lettered.
 
 mod ledger;
+mod observe;
 mod plan;
 pub mod worker;
 
@@ -239,6 +240,11 @@ struct Cell {
     problems: Vec<String>,
     /// Things worth knowing that are not failures.
     notes: Vec<String>,
+    /// Drained workers whose last `/metrics` scrape equalled their summary.
+    metrics_checked: u64,
+    /// Drained workers of a file, which ends without an idle time: their
+    /// last scrape was at most their summary, count by count.
+    metrics_below: u64,
 }
 
 impl Cell {
@@ -377,6 +383,12 @@ struct Slot {
     started: Instant,
     /// Exited by itself with status 0 (drained).
     finished: bool,
+    /// The process's `--http-addr` port (SQL workers, which run `consume`).
+    port: Option<u16>,
+    /// Where the process's stdout (its summary line) goes.
+    stdout: PathBuf,
+    /// Its outcome counters at the last scrape of `/metrics`.
+    scraped: Option<observe::Counts>,
 }
 
 /// One cell being run.
@@ -495,7 +507,8 @@ impl CellRun<'_> {
         {
             let mut primers = Vec::new();
             for slot in 0..args.workers {
-                let mut cmd = self.worker_command(&setup, slot, Duration::from_secs(1), false)?;
+                let mut cmd =
+                    self.worker_command(&setup, slot, Duration::from_secs(1), false, None, None)?;
                 primers.push(cmd.spawn().context("starting a worker")?);
             }
             for mut primer in primers {
@@ -518,6 +531,18 @@ impl CellRun<'_> {
         self.drive(&setup, &store, &plan, &mut cell, rng).await?;
         cell.seconds = started.elapsed().as_secs_f64();
         check(&store, &setup.table, &setup.consumer, &plan, &mut cell).await?;
+        if setup.sql {
+            if cell.metrics_checked + cell.metrics_below == 0 {
+                cell.problems
+                    .push("no drained worker's /metrics was scraped to check".into());
+            } else {
+                cell.notes.push(format!(
+                    "/metrics: the last scrape of a drained worker equals its summary line ({} \
+                     workers), or is at most it where the file ended without an idle time ({})",
+                    cell.metrics_checked, cell.metrics_below
+                ));
+            }
+        }
         if let Ok(text) = std::fs::read_to_string(&setup.kill_log) {
             // One death, one kill: each line is "POINT PID"; a pid counts
             // once, and not at all when the runner's random kill reached it
@@ -537,12 +562,16 @@ impl CellRun<'_> {
     }
 
     /// The command line of worker `slot`.
+    /// With `port`, a SQL worker serves `--http-addr` on it; its stdout
+    /// goes to `stdout` if given, else to the cell log.
     fn worker_command(
         &self,
         setup: &Setup,
         slot: usize,
         idle: Duration,
         arm: bool,
+        port: Option<u16>,
+        stdout: Option<&Path>,
     ) -> Result<Command> {
         let args = self.args;
         let url = match &setup.endpoint {
@@ -565,6 +594,9 @@ impl CellRun<'_> {
             if let Some(n) = args.batch {
                 cmd.args(["--batch", &n.to_string()]);
             }
+            if let Some(port) = port {
+                cmd.args(["--http-addr", &format!("127.0.0.1:{port}")]);
+            }
             if args.watermark {
                 cmd.args(["--watermark", "--dedup-keys"]);
                 if args.concurrent_records {
@@ -582,6 +614,11 @@ impl CellRun<'_> {
             .append(true)
             .open(&setup.log)
             .with_context(|| format!("opening {}", setup.log.display()))?;
+        let out = match stdout {
+            Some(path) => std::fs::File::create(path)
+                .with_context(|| format!("creating {}", path.display()))?,
+            None => log.try_clone()?,
+        };
         cmd.env("IDEMQ_STORE", &self.store_url.url)
             .env("IDEMQ_TABLE_PREFIX", &setup.prefix)
             .env_remove("IDEMQ_CONSUMER")
@@ -591,7 +628,7 @@ impl CellRun<'_> {
             )
             .env_remove(worker::KILL_ENV)
             .stdin(Stdio::null())
-            .stdout(Stdio::from(log.try_clone()?))
+            .stdout(Stdio::from(out))
             .stderr(Stdio::from(log));
         if arm && !self.points.is_empty() {
             let spec: Vec<String> = self
@@ -653,6 +690,7 @@ impl CellRun<'_> {
                 slot.child = None;
                 if status.success() {
                     slot.finished = true;
+                    self.check_metrics(setup, slot, cell);
                     continue;
                 }
                 if status.signal() != Some(SIGKILL) {
@@ -666,6 +704,16 @@ impl CellRun<'_> {
             }
             if last_poll.elapsed() >= Duration::from_millis(100) {
                 last_poll = Instant::now();
+                // Each live worker's counters; the last scrape before a
+                // worker drains falls in its idle time, after its last outcome.
+                for slot in slots.iter_mut().filter(|s| s.child.is_some()) {
+                    if let Some(port) = slot.port {
+                        let scrape = observe::get(port, "/metrics", Duration::from_secs(1));
+                        if let Some((200, metrics)) = scrape.await {
+                            slot.scraped = Some(observe::scraped(&metrics, &setup.consumer));
+                        }
+                    }
+                }
                 // The store may be restarting: keep the last count.
                 if let Ok(n) = store.applied(&setup.table).await {
                     applied = n;
@@ -699,10 +747,22 @@ impl CellRun<'_> {
                     }
                 }
             }
-            for restart in [&mut restart_db, &mut restart_broker] {
+            for (database, restart) in [(true, &mut restart_db), (false, &mut restart_broker)] {
                 if restart.as_ref().is_some_and(|(at, _)| applied >= *at) {
                     if let Some((_, cmd)) = restart.take() {
-                        self.outside(&cmd, setup).await?;
+                        let ports: Vec<u16> = slots
+                            .iter()
+                            .filter(|s| s.child.is_some())
+                            .filter_map(|s| s.port)
+                            .collect();
+                        if database && !ports.is_empty() {
+                            let readiness =
+                                observe::readiness_through(&ports, self.outside(&cmd, setup))
+                                    .await?;
+                            note_readiness(cell, &readiness);
+                        } else {
+                            self.outside(&cmd, setup).await?;
+                        }
                         cell.outside_restarts += 1;
                     }
                 }
@@ -745,15 +805,50 @@ impl CellRun<'_> {
     }
 
     fn spawn(&self, setup: &Setup, slot: usize) -> Result<Slot> {
+        static SPAWNED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let nth = SPAWNED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let stdout = self
+            .work_dir
+            .join(format!("cell-{}.w{slot}.{nth}.out", setup.run));
+        let port = if setup.sql {
+            Some(observe::free_port()?)
+        } else {
+            None
+        };
         let child = self
-            .worker_command(setup, slot, self.args.idle_exit, true)?
+            .worker_command(setup, slot, self.args.idle_exit, true, port, Some(&stdout))?
             .spawn()
             .context("starting a worker")?;
         Ok(Slot {
             child: Some(child),
             started: Instant::now(),
             finished: false,
+            port,
+            stdout,
+            scraped: None,
         })
+    }
+
+    /// A drained worker's last scrape against its summary line: equal (a
+    /// broker source, whose worker idles before it exits), or at most it
+    /// count by count (a file, which ends at once); else a problem.
+    fn check_metrics(&self, setup: &Setup, slot: &Slot, cell: &mut Cell) {
+        let Some(scraped) = &slot.scraped else {
+            return;
+        };
+        let file = matches!(setup.endpoint, Endpoint::File(_));
+        let stdout = std::fs::read_to_string(&slot.stdout).unwrap_or_default();
+        match observe::summarized(&stdout, &setup.consumer) {
+            Some(summary) if summary == *scraped => cell.metrics_checked += 1,
+            Some(summary) if file && observe::at_most(scraped, &summary) => cell.metrics_below += 1,
+            Some(summary) => cell.problems.push(format!(
+                "a worker's last /metrics scrape {scraped:?} differs from its summary {summary:?}"
+            )),
+            None => cell.problems.push(format!(
+                "a worker exited 0 without a summary line ({})",
+                slot.stdout.display()
+            )),
+        }
     }
 
     /// Runs a user's restart command (`sh -c`), output to the cell log.
@@ -778,6 +873,25 @@ impl CellRun<'_> {
         }
         Ok(())
     }
+}
+
+/// What `/readyz` said through the database restart: a worker that never
+/// turns ready again is a problem; one that never turned unready is noted.
+fn note_readiness(cell: &mut Cell, readiness: &observe::Readiness) {
+    if readiness.ready_again == Some(false) {
+        cell.problems
+            .push("no worker's /readyz answered 200 within 30 s after the database restart".into());
+    }
+    cell.notes.push(format!(
+        "/readyz during the database restart: 503 in {} of {} polls, then {}",
+        readiness.unready,
+        readiness.polls,
+        match readiness.ready_again {
+            Some(true) => "200 again",
+            Some(false) => "never 200",
+            None => "no worker left to ask (they had drained their source)",
+        }
+    ));
 }
 
 /// SIGKILL's number (9 on every Unix).
