@@ -7,6 +7,7 @@
 
 mod backend;
 mod commands;
+mod config;
 mod endpoint;
 mod exit;
 mod interrupt;
@@ -85,6 +86,11 @@ struct GlobalArgs {
         value_name = "P"
     )]
     table_prefix: String,
+
+    /// The global flags given on the command line (not by the environment
+    /// or a default): they override a configuration file's values.
+    #[arg(skip)]
+    given: config::Overrides,
 }
 
 /// The subcommands.
@@ -205,6 +211,35 @@ enum Command {
     /// A chaos worker for lease stores (started by `idemq chaos`).
     #[command(hide = true)]
     ChaosWorker(commands::chaos::WorkerArgs),
+
+    /// Run every consumer and relay of a configuration file in this process.
+    #[command(
+        long_about = "Run every consumer and relay of a configuration file in this process.\n\n\
+            The file is TOML: top-level `store`, `table-prefix` and `http-addr` (one \
+            /metrics, /healthz, /readyz for the process), then [[consumer]] tables (each \
+            an `idemq consume`: `consumer = NAME`, `source = FILE|URL`, and any flag of \
+            `consume` as a key: `key`, `apply-sql`, `concurrency`, `batch`…) and [[relay]] \
+            tables (each an `idemq relay`). A flag given here beats the environment \
+            (IDEMQ_STORE, IDEMQ_TABLE_PREFIX), which beats the file. Ctrl-C and SIGTERM \
+            drain every job; if one fails, the others stop and the process exits with \
+            its code. See docs/operations.md.",
+        after_long_help = EXIT_CODES
+    )]
+    Run(commands::config::RunArgs),
+
+    /// Check a configuration file: print every job's effective command line (secrets hidden).
+    #[command(subcommand)]
+    Config(commands::config::ConfigCommand),
+
+    /// Print a shell completion script: `idemq completions bash > /etc/bash_completion.d/idemq`.
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+
+    /// Print the man page (roff): `idemq man > /usr/local/share/man/man1/idemq.1`.
+    Man,
 }
 
 /// `idemq dlq …`.
@@ -274,6 +309,10 @@ struct ConsumeArgs {
     /// while consuming, e.g. `127.0.0.1:9464` or `0.0.0.0:9464`.
     #[arg(long, value_name = "ADDR")]
     http_addr: Option<std::net::SocketAddr>,
+
+    /// The process's shared endpoint (`idemq run`), when it has one.
+    #[arg(skip)]
+    ops: Option<ops::Ops>,
 
     /// Do not create or upgrade the idemq tables before consuming.
     #[arg(long)]
@@ -649,7 +688,20 @@ impl Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = <Cli as clap::CommandFactory>::command().get_matches();
+    let mut cli = match <Cli as clap::FromArgMatches>::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    let given = |id: &str| {
+        (matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine))
+            .then(|| matches.get_one::<String>(id).cloned())
+            .flatten()
+    };
+    cli.global.given = config::Overrides {
+        store: given("store"),
+        table_prefix: given("table_prefix"),
+    };
     if let Err(e) = exit::init_logging() {
         return exit::report(&e);
     }
@@ -673,7 +725,7 @@ fn main() -> ExitCode {
 }
 
 /// Validates, connects to the store the URL names, and runs the subcommand on it.
-async fn dispatch(cli: Cli) -> Result<ExitCode> {
+pub(crate) async fn dispatch(cli: Cli) -> Result<ExitCode> {
     cli.command.validate()?;
     let Cli { global, command } = cli;
     if let Command::Produce(args) = command {
@@ -687,6 +739,18 @@ async fn dispatch(cli: Cli) -> Result<ExitCode> {
     }
     if let Command::ChaosWorker(args) = command {
         return commands::chaos::worker::run(args, &global).await;
+    }
+    if let Command::Completions { shell } = command {
+        return commands::generate::completions(shell);
+    }
+    if let Command::Run(args) = command {
+        return commands::config::run(args, &global).await;
+    }
+    if let Command::Config(config) = command {
+        return commands::config::check(config, &global);
+    }
+    if let Command::Man = command {
+        return commands::generate::man();
     }
     // Parsed here rather than by clap, which would also parse the default URL
     // of a global flag and fail in builds without SQLite.

@@ -8,7 +8,7 @@
 //!   [`CHECK_TIMEOUT`], else 503 with the failing checks named.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -31,14 +31,50 @@ const SECONDS_BUCKETS: &[f64] = &[
 /// An async check or refresh: `Err` carries what is wrong, without secrets.
 pub type Probe = Arc<dyn Fn() -> BoxFuture<'static, Result<(), String>> + Send + Sync>;
 
-/// What the endpoint serves.
+/// What the endpoint serves, filled in by the consumers and relays of the
+/// process as they start (several share one endpoint under `idemq run`).
 #[derive(Clone, Default)]
 pub struct Ops {
+    shared: Arc<Shared>,
+    /// Put before the names of the checks this handle adds (`billing `).
+    scope: String,
+}
+
+#[derive(Default)]
+struct Shared {
     /// Named readiness checks, all run (concurrently) for each `/readyz`.
-    pub ready: Vec<(&'static str, Probe)>,
+    ready: Mutex<Vec<(String, Probe)>>,
     /// Run before each `/metrics` render to set gauges read at scrape time
     /// (the outbox backlog); a failure is logged and the render goes on.
-    pub on_scrape: Option<Probe>,
+    on_scrape: Mutex<Vec<Probe>>,
+}
+
+impl std::fmt::Debug for Ops {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ops")
+            .field("scope", &self.scope)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Ops {
+    /// A handle whose checks are named `scope NAME`.
+    pub fn scoped(&self, scope: &str) -> Ops {
+        Ops {
+            shared: Arc::clone(&self.shared),
+            scope: format!("{}{scope} ", self.scope),
+        }
+    }
+
+    /// Adds a readiness check called `name` (within this handle's scope).
+    pub fn ready(&self, name: &str, probe: Probe) {
+        lock(&self.shared.ready).push((format!("{}{name}", self.scope), probe));
+    }
+
+    /// Adds a refresh to run before each `/metrics` render.
+    pub fn on_scrape(&self, probe: Probe) {
+        lock(&self.shared.on_scrape).push(probe);
+    }
 }
 
 #[derive(Clone)]
@@ -47,9 +83,15 @@ struct Served {
     prometheus: PrometheusHandle,
 }
 
-/// Installs the Prometheus recorder, binds `addr` and serves [`Ops`] on it
-/// in a background task for the rest of the process; returns the bound
-/// address (the port chosen, for `:0`).
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Installs the Prometheus recorder, binds `addr` and serves `ops` (and the
+/// checks added to it later) in a background task for the rest of the
+/// process; returns the bound address (the port chosen, for `:0`).
 pub async fn serve(addr: SocketAddr, ops: Ops) -> Result<SocketAddr> {
     let prometheus = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
@@ -82,8 +124,22 @@ pub async fn serve(addr: SocketAddr, ops: Ops) -> Result<SocketAddr> {
     Ok(bound)
 }
 
+/// The endpoint a `consume` or `relay` adds its checks to: its own, served
+/// on `addr` (`--http-addr`), else the process's `shared` one, else none.
+pub async fn for_run(addr: Option<SocketAddr>, shared: Option<&Ops>) -> Result<Option<Ops>> {
+    match (addr, shared) {
+        (Some(addr), _) => {
+            let ops = Ops::default();
+            serve(addr, ops.clone()).await?;
+            Ok(Some(ops))
+        }
+        (None, shared) => Ok(shared.cloned()),
+    }
+}
+
 async fn metrics(State(served): State<Served>) -> impl IntoResponse {
-    if let Some(refresh) = &served.ops.on_scrape {
+    let refreshes: Vec<Probe> = lock(&served.ops.shared.on_scrape).clone();
+    for refresh in refreshes {
         match tokio::time::timeout(CHECK_TIMEOUT, refresh()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!(error = %e, "refreshing the scrape-time gauges failed"),
@@ -97,12 +153,13 @@ async fn metrics(State(served): State<Served>) -> impl IntoResponse {
 }
 
 async fn ready(State(served): State<Served>) -> impl IntoResponse {
-    let checks = served.ops.ready.iter().map(|(name, probe)| async move {
+    let ready: Vec<(String, Probe)> = lock(&served.ops.shared.ready).clone();
+    let checks = ready.into_iter().map(|(name, probe)| async move {
         let verdict = match tokio::time::timeout(CHECK_TIMEOUT, probe()).await {
             Ok(verdict) => verdict,
             Err(_) => Err(format!("no answer within {CHECK_TIMEOUT:?}")),
         };
-        (*name, verdict)
+        (name, verdict)
     });
     let verdicts = futures_util::future::join_all(checks).await;
     let mut body = String::new();

@@ -767,6 +767,47 @@ fn every_command_has_help() {
     }
 }
 
+/// `idemq completions bash|zsh|fish|elvish|powershell` and `idemq man`
+/// generate from the argument definitions: every subcommand and a recent
+/// flag are in them, and the bash script parses.
+#[test]
+fn completions_and_the_man_page_generate() {
+    let generate = |args: &[&str]| {
+        let out = Command::new(BIN).args(args).output().expect("run idemq");
+        assert!(out.status.success(), "{args:?}: {out:#?}");
+        String::from_utf8(out.stdout).expect("utf-8")
+    };
+    let bash = generate(&["completions", "bash"]);
+    for word in [
+        "consume",
+        "relay",
+        "dlq",
+        "--http-addr",
+        "--shutdown-timeout",
+    ] {
+        assert!(bash.contains(word), "bash completion lacks {word}");
+    }
+    let checked = Command::new("bash")
+        .args(["-n", "-c", &bash])
+        .status()
+        .expect("run bash -n");
+    assert!(checked.success(), "the bash completion does not parse");
+    assert!(generate(&["completions", "zsh"]).starts_with("#compdef idemq"));
+    assert!(generate(&["completions", "fish"]).contains("complete -c idemq"));
+    let man = generate(&["man"]);
+    assert!(man.contains(".TH idemq 1"), "{man}");
+    assert!(man.contains("consume"), "{man}");
+    let bad = Command::new(BIN)
+        .args(["completions", "tcsh"])
+        .output()
+        .expect("run idemq");
+    assert_eq!(
+        bad.status.code(),
+        Some(2),
+        "an unknown shell is a usage error"
+    );
+}
+
 /// A suffix unique to this test run, for table names in shared databases.
 fn unique_suffix() -> String {
     let nanos = SystemTime::now()

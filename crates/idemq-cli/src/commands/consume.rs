@@ -77,19 +77,11 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
     }
     let consumer = builder.build().map_err(exit::usage)?;
     let store = consumer.store();
-    if let Some(addr) = args.http_addr {
-        let mut ready = vec![("store", store_answers(store))];
+    if let Some(ops) = ops::for_run(args.http_addr, args.ops.as_ref()).await? {
+        ops.ready("store", store_answers(store));
         if let Some(addresses) = args.input.probe_addresses() {
-            ready.push(("source", ops::reachable(addresses)));
+            ops.ready("source", ops::reachable(addresses));
         }
-        ops::serve(
-            addr,
-            ops::Ops {
-                ready,
-                on_scrape: None,
-            },
-        )
-        .await?;
     }
 
     if !args.no_migrate {

@@ -1,8 +1,10 @@
 //! The subcommands, each written once, generic over [`Backend`].
 
 pub(crate) mod chaos;
+pub(crate) mod config;
 mod consume;
 mod dlq;
+pub(crate) mod generate;
 mod inspect;
 mod migrate;
 mod produce;
@@ -39,6 +41,10 @@ pub async fn run<B: Backend + Clone>(
         Command::Dlq(DlqCommand::Replay(args)) => dlq::replay(store, args).await,
         Command::Chaos(args) => chaos::run(args, global).await,
         Command::ChaosWorker(args) => chaos::worker::run(args, global).await,
+        Command::Completions { shell } => generate::completions(shell),
+        Command::Run(args) => config::run(args, global).await,
+        Command::Config(command) => config::check(command, global),
+        Command::Man => generate::man(),
     }
 }
 

@@ -70,6 +70,10 @@ pub struct RelayArgs {
     /// destination answer) on this address while relaying.
     #[arg(long, value_name = "ADDR")]
     pub http_addr: Option<std::net::SocketAddr>,
+
+    /// The process's shared endpoint (`idemq run`), when it has one.
+    #[arg(skip)]
+    pub ops: Option<ops::Ops>,
 }
 
 /// Connects to the store and the destination and relays until Ctrl-C or
@@ -135,8 +139,8 @@ async fn relay<DB: OutboxDatabase>(
     options.publish_timeout = args.publish_timeout;
     options.max_attempts = (args.max_attempts > 0).then_some(args.max_attempts);
     options.name = format!("relay-{}", std::process::id());
-    if let Some(addr) = args.http_addr {
-        serve_ops(addr, &pool, &outbox, &args.to).await?;
+    if let Some(ops) = ops::for_run(args.http_addr, args.ops.as_ref()).await? {
+        add_checks(&ops, &pool, &outbox, &args.to);
     }
     let relay = Relay::new(pool, outbox, publisher, options).only(args.destinations.clone());
     let interrupt = Interrupt::listen();
@@ -162,12 +166,12 @@ async fn relay<DB: OutboxDatabase>(
 
 /// `--http-addr`: readiness is the database answering and the destination
 /// accepting a connection; each scrape first reads the outbox backlog.
-async fn serve_ops<DB: OutboxDatabase>(
-    addr: std::net::SocketAddr,
+fn add_checks<DB: OutboxDatabase>(
+    ops: &ops::Ops,
     pool: &sqlx::Pool<DB>,
     outbox: &Outbox<DB>,
     to: &Endpoint,
-) -> Result<()> {
+) {
     let backlog: ops::Probe = {
         let (pool, outbox) = (pool.clone(), outbox.clone());
         Arc::new(move || {
@@ -186,19 +190,11 @@ async fn serve_ops<DB: OutboxDatabase>(
             Box::pin(async move { pool.acquire().await.map(drop).map_err(|e| e.to_string()) })
         })
     };
-    let mut ready = vec![("database", database)];
+    ops.ready("database", database);
     if let Some(addresses) = to.probe_addresses() {
-        ready.push(("destination", ops::reachable(addresses)));
+        ops.ready("destination", ops::reachable(addresses));
     }
-    ops::serve(
-        addr,
-        ops::Ops {
-            ready,
-            on_scrape: Some(backlog),
-        },
-    )
-    .await?;
-    Ok(())
+    ops.on_scrape(backlog);
 }
 
 /// Adds a hint to a missing table.

@@ -24,6 +24,16 @@ pub type SqliteStore = SqlStore<sqlx::Sqlite>;
 /// through it, and they commit with the claim.
 pub type SqliteTx = sqlx::Transaction<'static, sqlx::Sqlite>;
 
+/// SQLITE_BUSY (5) or SQLITE_LOCKED (6), also in their extended forms.
+fn is_busy(error: &sqlx::Error) -> bool {
+    let code = match error {
+        sqlx::Error::Database(e) => e.code(),
+        _ => None,
+    };
+    code.and_then(|code| code.parse::<i32>().ok())
+        .is_some_and(|code| matches!(code & 0xff, 5 | 6))
+}
+
 impl SqlDatabase for sqlx::Sqlite {
     const DIALECT: Dialect = Dialect::Sqlite;
 
@@ -40,11 +50,25 @@ impl SqlDatabase for sqlx::Sqlite {
                 .journal_mode(SqliteJournalMode::Wal)
                 .synchronous(SqliteSynchronous::Full)
                 .busy_timeout(Duration::from_secs(30));
-            SqlitePoolOptions::new()
-                .max_connections(options.max_connections.unwrap_or(1))
-                .acquire_timeout(options.acquire_timeout)
-                .connect_with(connect)
-                .await
+            // Switching a new file to WAL answers SQLITE_BUSY at once, not
+            // after the busy timeout, when another connection (a second
+            // consumer of the same file starting with this one) switches
+            // it too: try again for a few seconds.
+            let mut tries = 0;
+            loop {
+                let pool = SqlitePoolOptions::new()
+                    .max_connections(options.max_connections.unwrap_or(1))
+                    .acquire_timeout(options.acquire_timeout)
+                    .connect_with(connect.clone())
+                    .await;
+                match pool {
+                    Err(e) if tries < 50 && is_busy(&e) => {
+                        tries += 1;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    pool => return pool,
+                }
+            }
         })
     }
 
