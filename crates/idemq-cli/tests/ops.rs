@@ -324,3 +324,64 @@ async fn relay_metrics_show_the_outbox_backlog_and_its_lag() {
     );
     assert_eq!(ready.unwrap(), (200, "database: ok\n".to_owned()));
 }
+
+/// Kafka's consumer lag reaches `/metrics` from librdkafka's statistics:
+/// 300 messages consumed one at a time by a slow effect show a lag above 0
+/// (and never above 300) on the way, and 0 once they are all applied.
+#[cfg(all(feature = "kafka", feature = "exec", feature = "sqlite"))]
+#[test]
+fn kafka_consumer_lag_is_exported() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = format!("{}_{}", std::process::id(), free_port());
+    let url = format!("kafka://127.0.0.1:9092/lag_{run}?group=lag_{run}&create_partitions=1");
+    let input = dir.path().join("in.jsonl");
+    let lines: String = (0..300)
+        .map(|n| format!("{{\"id\":\"m-{n}\"}}\n"))
+        .collect();
+    std::fs::write(&input, lines).unwrap();
+    let store = format!("sqlite://{}", dir.path().join("idemq.db").display());
+    let produced = Command::new(BIN)
+        .args(["produce"])
+        .arg(&input)
+        .args(["--to", &url, "--key", "json:/id"])
+        .output()
+        .unwrap();
+    assert!(produced.status.success(), "{produced:#?}");
+    let port = free_port();
+    let mut child = Command::new(BIN)
+        .args(["--store", &store, "consume", &url, "--consumer", "lag"])
+        .args(["--key", "json:/id", "--concurrency", "1"])
+        .args(["--apply-exec", "sleep 0.03", "--idle-exit", "8s"])
+        .args(["--http-addr", &format!("127.0.0.1:{port}")])
+        .env_remove("IDEMQ_STORE")
+        .env_remove("IDEMQ_TABLE_PREFIX")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lag_series = format!(
+        "idemq_source_lag_messages{{source=\"kafka\",group=\"lag_{run}\",topic=\"lag_{run}\",partition=\"0\"}}"
+    );
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        if let Ok(stream) = TcpStream::connect(("127.0.0.1", port)) {
+            drop(stream);
+            let metrics = get(port, "/metrics").1;
+            if metrics.contains(&lag_series) {
+                let lag = series(&metrics, &lag_series);
+                if seen.last() != Some(&lag) {
+                    seen.push(lag);
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("consumer lag: processed=300"), "{stdout}");
+    assert!(seen.iter().any(|lag| *lag > 0.0), "lags seen: {seen:?}");
+    assert!(seen.iter().all(|lag| *lag <= 300.0), "lags seen: {seen:?}");
+    assert_eq!(seen.last(), Some(&0.0), "lags seen: {seen:?}");
+}

@@ -39,6 +39,9 @@ use support::{
 /// visibility timeout, an ack wait, a rebalance).
 const PATIENCE: Duration = Duration::from_secs(90);
 
+/// The most one conformance test may take: a hang fails the test, naming it.
+const WHOLE_TEST: Duration = Duration::from_secs(360);
+
 /// A fresh URL of broker `id` for one test (the test services of
 /// `scripts/`; the same shapes as `scripts/chaos.sh`).
 fn url_for(id: &str) -> String {
@@ -831,32 +834,32 @@ macro_rules! conformance {
         mod $module {
             #[tokio::test]
             async fn duplicates_poison_and_retries() {
-                super::duplicates_poison_and_retries($id).await;
+                crate::support::within(super::WHOLE_TEST, stringify!(duplicates_poison_and_retries), super::duplicates_poison_and_retries($id)).await;
             }
 
             #[tokio::test]
             async fn lost_acks_are_redelivered_and_caught() {
-                super::lost_acks_are_redelivered_and_caught($id).await;
+                crate::support::within(super::WHOLE_TEST, stringify!(lost_acks_are_redelivered_and_caught), super::lost_acks_are_redelivered_and_caught($id)).await;
             }
 
             #[tokio::test]
             async fn a_consumer_killed_mid_handler_loses_nothing() {
-                super::a_consumer_killed_mid_handler_loses_nothing($id).await;
+                crate::support::within(super::WHOLE_TEST, stringify!(a_consumer_killed_mid_handler_loses_nothing), super::a_consumer_killed_mid_handler_loses_nothing($id)).await;
             }
 
             #[tokio::test]
             async fn competing_consumers_apply_each_once() {
-                super::competing_consumers_apply_each_once($id).await;
+                crate::support::within(super::WHOLE_TEST, stringify!(competing_consumers_apply_each_once), super::competing_consumers_apply_each_once($id)).await;
             }
 
             #[tokio::test]
             async fn the_first_copy_of_a_reused_key_wins() {
-                super::the_first_copy_of_a_reused_key_wins($id).await;
+                crate::support::within(super::WHOLE_TEST, stringify!(the_first_copy_of_a_reused_key_wins), super::the_first_copy_of_a_reused_key_wins($id)).await;
             }
 
             #[tokio::test]
             async fn each_record_keys_order_where_the_broker_keeps_it() {
-                super::each_record_keys_order_where_the_broker_keeps_it($id).await;
+                crate::support::within(super::WHOLE_TEST, stringify!(each_record_keys_order_where_the_broker_keeps_it), super::each_record_keys_order_where_the_broker_keeps_it($id)).await;
             }
         }
     )*};

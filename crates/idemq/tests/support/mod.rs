@@ -820,16 +820,31 @@ pub fn start(consumer: &Consumer<PostgresStore>, source: impl Source + 'static) 
 }
 
 impl Running {
+    /// Asks the run to stop and waits for its summary (within its shutdown
+    /// grace and the close: a minute at most, or the test fails).
     pub async fn stop(self) -> Summary {
         let _ = self.stop.send(());
-        self.task.await.unwrap().unwrap()
+        within(Duration::from_secs(60), "a stopping run", self.task)
+            .await
+            .unwrap()
+            .unwrap()
     }
 
     /// Kills the run mid-flight: its source, connection and in-flight
     /// handlers are dropped without settling anything.
     pub async fn kill(self) {
         self.task.abort();
-        assert!(self.task.await.unwrap_err().is_cancelled());
+        let killed = within(Duration::from_secs(60), "a killed run", self.task).await;
+        assert!(killed.unwrap_err().is_cancelled());
+    }
+}
+
+/// `future`'s output, or a panic naming `what` when it takes longer than
+/// `limit`: a test that hangs fails instead, and says where.
+pub async fn within<F: Future>(limit: Duration, what: &str, future: F) -> F::Output {
+    match tokio::time::timeout(limit, future).await {
+        Ok(output) => output,
+        Err(_) => panic!("{what} did not finish within {limit:?}"),
     }
 }
 
@@ -840,7 +855,13 @@ where
     Fut: Future<Output = bool>,
 {
     let deadline = Instant::now() + limit;
-    while !check().await {
+    loop {
+        // A check that hangs (a query that never returns) fails too.
+        let left = deadline.saturating_duration_since(Instant::now());
+        let what_hung = format!("a check while waiting for {what}");
+        if within(left.max(Duration::from_secs(1)), &what_hung, check()).await {
+            return;
+        }
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -194,7 +194,10 @@ impl KafkaConfig {
                 "session.timeout.ms",
                 self.session_timeout.as_millis().to_string(),
             )
-            .set("enable.partition.eof", "false");
+            .set("enable.partition.eof", "false")
+            // The consumer lag per partition (`idemq_source_lag_messages`);
+            // `statistics.interval.ms=0` in the URL turns it off.
+            .set("statistics.interval.ms", "5000");
         for (name, value) in &self.settings {
             cc.set(name, value);
         }

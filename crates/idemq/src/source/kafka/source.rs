@@ -287,15 +287,39 @@ impl Shared {
     }
 }
 
-/// The consumer context: commits settled offsets of revoked partitions before they go.
+/// The consumer context: commits settled offsets of revoked partitions
+/// before they go, and reports the group's lag.
 pub(super) struct KafkaContext {
     shared: Arc<Shared>,
     refusals: RefusalContext,
+    group: String,
 }
 
 impl ClientContext for KafkaContext {
     fn error(&self, error: KafkaError, reason: &str) {
         self.refusals.note(&error, reason);
+    }
+
+    /// librdkafka's statistics (every `statistics.interval.ms`): the
+    /// consumer lag of each assigned partition, as the gauge
+    /// `idemq_source_lag_messages{source,group,topic,partition}`.
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        for (topic, stats) in &statistics.topics {
+            for (partition, stats) in &stats.partitions {
+                // -1: the internal unassigned partition, or a lag not known yet.
+                if *partition < 0 || stats.consumer_lag < 0 {
+                    continue;
+                }
+                metrics::gauge!(
+                    "idemq_source_lag_messages",
+                    "source" => "kafka",
+                    "group" => self.group.clone(),
+                    "topic" => topic.clone(),
+                    "partition" => partition.to_string()
+                )
+                .set(stats.consumer_lag as f64);
+            }
+        }
     }
 }
 
@@ -407,6 +431,7 @@ impl KafkaSource {
         let context = KafkaContext {
             shared: Arc::clone(&shared),
             refusals: refusals.clone(),
+            group: config.group.clone(),
         };
         let consumer: KafkaConsumer = config
             .client_config()
