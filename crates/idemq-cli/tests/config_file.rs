@@ -103,32 +103,26 @@ fn a_file_with_two_consumers_runs_both_once() {
         "{file_stats}"
     );
 
-    // The environment beats the file, a flag beats both.
-    for checkpoint in ["a.jsonl.billing.checkpoint", "b.jsonl.audit.checkpoint"] {
-        std::fs::remove_file(dir.path().join(checkpoint)).unwrap();
-    }
+    // The environment beats the file, a flag beats both. Each run starts
+    // from the files' first lines again.
+    let run_into = |env_store: &str, flag_store: Option<&str>| {
+        for checkpoint in ["a.jsonl.billing.checkpoint", "b.jsonl.audit.checkpoint"] {
+            std::fs::remove_file(dir.path().join(checkpoint)).unwrap();
+        }
+        let mut cmd = idemq();
+        cmd.env("IDEMQ_STORE", env_store);
+        if let Some(store) = flag_store {
+            cmd.args(["--store", store]);
+        }
+        let out = cmd.args(["run", "--config"]).arg(&config).output().unwrap();
+        assert!(out.status.success(), "{out:#?}");
+        text(&out.stdout)
+    };
     let env_store = sqlite(dir.path(), "env.db");
-    let out = idemq()
-        .env("IDEMQ_STORE", &env_store)
-        .args(["run", "--config"])
-        .arg(&config)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:#?}");
-    assert!(text(&out.stdout).contains("consumer billing: processed=3"));
+    assert!(run_into(&env_store, None).contains("consumer billing: processed=3"));
     assert!(stats(&env_store).contains("billing"));
-    for checkpoint in ["a.jsonl.billing.checkpoint", "b.jsonl.audit.checkpoint"] {
-        std::fs::remove_file(dir.path().join(checkpoint)).unwrap();
-    }
     let flag_store = sqlite(dir.path(), "flag.db");
-    let out = idemq()
-        .env("IDEMQ_STORE", &env_store)
-        .args(["--store", &flag_store, "run", "--config"])
-        .arg(&config)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:#?}");
-    assert!(text(&out.stdout).contains("consumer audit: processed=2"));
+    assert!(run_into(&env_store, Some(&flag_store)).contains("consumer audit: processed=2"));
     assert!(stats(&flag_store).contains("audit"));
 
     let check = idemq()

@@ -12,6 +12,24 @@ use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_idemq");
 
+/// The binary, with none of the environment that would override its flags.
+fn idemq() -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.env_remove("IDEMQ_STORE")
+        .env_remove("IDEMQ_TABLE_PREFIX")
+        .env_remove("IDEMQ_CONSUMER");
+    cmd
+}
+
+/// Waits (10 s at most) until something listens on `port`.
+fn wait_listening(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "--http-addr {port} never opened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A TCP proxy to `upstream` that can be cut (every connection closed,
 /// new ones refused) and restored.
 struct Proxy {
@@ -122,13 +140,10 @@ fn metrics_count_what_the_summary_counts_and_readiness_follows_the_store() {
     let store = format!("postgres://postgres@127.0.0.1:{}/test", proxy.port);
     let consumer = format!("ops-{}-{}", std::process::id(), free_port());
     let port = free_port();
-    let mut child = Command::new(BIN)
+    let mut child = idemq()
         .args(["--store", &store, "--table-prefix", "idemq_ops_"])
         .args(["consume", "--consumer", &consumer, "--key", "json:/id"])
         .args(["--print", "--http-addr", &format!("127.0.0.1:{port}"), "-"])
-        .env_remove("IDEMQ_STORE")
-        .env_remove("IDEMQ_TABLE_PREFIX")
-        .env_remove("IDEMQ_CONSUMER")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -223,10 +238,9 @@ fn an_address_in_use_is_a_usage_error() {
     let addr = taken.local_addr().unwrap().to_string();
     let dir = tempfile::tempdir().unwrap();
     let store = format!("sqlite://{}", dir.path().join("idemq.db").display());
-    let out = Command::new(BIN)
+    let out = idemq()
         .args(["--store", &store, "consume", "--consumer", "c", "--print"])
         .args(["--http-addr", &addr, "-"])
-        .env_remove("IDEMQ_STORE")
         .stdin(Stdio::null())
         .output()
         .unwrap();
@@ -248,11 +262,9 @@ async fn relay_metrics_show_the_outbox_backlog_and_its_lag() {
     let store = format!("sqlite://{}", path.display());
     let out = dir.path().join("out.jsonl");
     let out = out.to_str().unwrap();
-    let created = Command::new(BIN)
+    let created = idemq()
         .args(["--store", &store, "relay", "--migrate", "--to", out])
         .args(["--idle-exit", "100ms"])
-        .env_remove("IDEMQ_STORE")
-        .env_remove("IDEMQ_TABLE_PREFIX")
         .output()
         .unwrap();
     assert!(created.status.success(), "{created:#?}");
@@ -277,7 +289,7 @@ async fn relay_metrics_show_the_outbox_backlog_and_its_lag() {
     pool.close().await;
 
     let port = free_port();
-    let mut child = Command::new(BIN)
+    let mut child = idemq()
         .args([
             "--store",
             &store,
@@ -288,22 +300,13 @@ async fn relay_metrics_show_the_outbox_backlog_and_its_lag() {
             "refunds",
         ])
         .args(["--http-addr", &format!("127.0.0.1:{port}")])
-        .env_remove("IDEMQ_STORE")
-        .env_remove("IDEMQ_TABLE_PREFIX")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let scrape = move || {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(stream) = TcpStream::connect(("127.0.0.1", port)) {
-                drop(stream);
-                break get(port, "/metrics").1;
-            }
-            assert!(Instant::now() < deadline, "--http-addr never opened");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_listening(port);
+        get(port, "/metrics").1
     };
     let metrics = tokio::task::spawn_blocking(scrape).await.unwrap();
     let ready = tokio::task::spawn_blocking(move || get(port, "/readyz")).await;
@@ -340,7 +343,7 @@ fn kafka_consumer_lag_is_exported() {
         .collect();
     std::fs::write(&input, lines).unwrap();
     let store = format!("sqlite://{}", dir.path().join("idemq.db").display());
-    let produced = Command::new(BIN)
+    let produced = idemq()
         .args(["produce"])
         .arg(&input)
         .args(["--to", &url, "--key", "json:/id"])
@@ -348,13 +351,11 @@ fn kafka_consumer_lag_is_exported() {
         .unwrap();
     assert!(produced.status.success(), "{produced:#?}");
     let port = free_port();
-    let mut child = Command::new(BIN)
+    let mut child = idemq()
         .args(["--store", &store, "consume", &url, "--consumer", "lag"])
         .args(["--key", "json:/id", "--concurrency", "1"])
         .args(["--apply-exec", "sleep 0.03", "--idle-exit", "8s"])
         .args(["--http-addr", &format!("127.0.0.1:{port}")])
-        .env_remove("IDEMQ_STORE")
-        .env_remove("IDEMQ_TABLE_PREFIX")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -365,8 +366,7 @@ fn kafka_consumer_lag_is_exported() {
     let mut seen = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(90);
     while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
-        if let Ok(stream) = TcpStream::connect(("127.0.0.1", port)) {
-            drop(stream);
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
             let metrics = get(port, "/metrics").1;
             if metrics.contains(&lag_series) {
                 let lag = series(&metrics, &lag_series);
