@@ -85,13 +85,19 @@ impl Proxy {
 
 /// `GET path` on `port`: (status, body).
 fn get(port: u16, path: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect --http-addr");
+    try_get(port, path).expect("an answer from --http-addr")
+}
+
+/// [`get`], or `None` when the connection fails or breaks (a process
+/// exiting while it is asked).
+fn try_get(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+        .ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
     let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
+    stream.read_to_string(&mut response).ok()?;
     let status = response
         .split(' ')
         .nth(1)
@@ -101,7 +107,7 @@ fn get(port: u16, path: &str) -> (u16, String) {
         .split_once("\r\n\r\n")
         .map(|(_, body)| body.to_owned())
         .unwrap_or_default();
-    (status, body)
+    Some((status, body))
 }
 
 /// The value of the series `name{labels}` (labels in the exporter's
@@ -366,8 +372,8 @@ fn kafka_consumer_lag_is_exported() {
     let mut seen = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(90);
     while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
-        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            let metrics = get(port, "/metrics").1;
+        // The consumer exits by itself (--idle-exit): a scrape may race it.
+        if let Some((_, metrics)) = try_get(port, "/metrics") {
             if metrics.contains(&lag_series) {
                 let lag = series(&metrics, &lag_series);
                 if seen.last() != Some(&lag) {
