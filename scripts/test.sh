@@ -4,7 +4,8 @@
 # (nothing needs to run beforehand): PostgreSQL, MariaDB, Redis, RabbitMQ,
 # Mosquitto and NATS from Debian's packages (scripts/services.sh), Apache
 # Kafka and Apache RocketMQ from Maven Central (scripts/kafka.sh,
-# scripts/rocketmq.sh), SQS on moto from PyPI (scripts/sqs.sh); then the
+# scripts/rocketmq.sh), SQS on moto from PyPI (scripts/sqs.sh), Debian's
+# chromium for the console's browser test (scripts/chromium.sh); then the
 # short chaos matrix (scripts/chaos.sh). Run from anywhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,8 @@ scripts/sqs.sh
 took "SQS (moto)"
 scripts/rocketmq.sh
 took "Apache RocketMQ"
+scripts/chromium.sh
+took "chromium (the console's browser test)"
 cargo test --workspace --all-features "$@"
 took "cargo test (build and run)"
 # The short chaos matrix (every source and every store, ~2,000 orders and

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use idemq::engine::{BatchOptions, WatermarkOptions};
+use idemq::outbox::{Backlog, DeadEvent, Outbox, OutboxError};
 use idemq::source::Source;
 use idemq::store::{Store, StoreAdmin};
 use idemq::template::Placeholder;
@@ -195,6 +196,26 @@ pub trait SqlAdmin: Send + Sync {
 
     /// Prepares a statement without running it, to validate it up front.
     async fn prepare(&self, sql: &str) -> Result<(), sqlx::Error>;
+
+    /// The transactional outbox of `table_prefix` in this database: its
+    /// backlog and its oldest `dead_limit` dead rows; `None` when the
+    /// outbox tables do not exist.
+    async fn outbox(
+        &self,
+        table_prefix: &str,
+        dead_limit: usize,
+    ) -> Result<Option<OutboxView>, OutboxError>;
+}
+
+/// What the console shows of an outbox ([`SqlAdmin::outbox`]).
+#[derive(Debug, Clone)]
+pub struct OutboxView {
+    /// The outbox table's name.
+    pub table: String,
+    /// Rows waiting, their age, dead rows.
+    pub backlog: Backlog,
+    /// The oldest dead rows.
+    pub dead: Vec<DeadEvent>,
 }
 
 /// The future that ends a run (Ctrl-C).
@@ -280,6 +301,25 @@ where
 
     async fn prepare(&self, sql: &str) -> Result<(), sqlx::Error> {
         crate::sink::prepare(self.pool(), sql).await
+    }
+
+    async fn outbox(
+        &self,
+        table_prefix: &str,
+        dead_limit: usize,
+    ) -> Result<Option<OutboxView>, OutboxError> {
+        let outbox = Outbox::<DB>::new(table_prefix)?;
+        let backlog = match outbox.backlog(self.pool()).await {
+            Ok(backlog) => backlog,
+            Err(e) if e.is_missing_table() => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let dead = outbox.dead_letters(self.pool(), dead_limit).await?;
+        Ok(Some(OutboxView {
+            table: outbox.table().to_owned(),
+            backlog,
+            dead,
+        }))
     }
 }
 

@@ -8,6 +8,7 @@
 mod backend;
 mod commands;
 mod config;
+mod console;
 mod endpoint;
 mod exit;
 mod interrupt;
@@ -240,6 +241,24 @@ enum Command {
 
     /// Print the man page (roff): `idemq man > /usr/local/share/man/man1/idemq.1`.
     Man,
+
+    /// Serve a web console over the store: consumers, dead letters, keys, the outbox.
+    #[command(
+        long_about = "Serve a web console over the store (--http-addr, default \
+            127.0.0.1:9466) for operators: each consumer's processed keys, dead letters and \
+            failing keys, with charts sampled every --sample-every (duplicates and conflicts \
+            from running consumers' /metrics: --scrape, or the http-addr of --config); dead \
+            letters grouped by reason with their payload, headers, error and attempts; a \
+            key's inbox row, journaled effects, attempts and letters; the outbox backlog and \
+            its dead rows.\n\n\
+            Read-only unless started with --allow-changes: then dead letters can be deleted \
+            (one, a selection or a whole reason) and replayed through the consumer's handler \
+            as `idemq dlq replay` does, for the consumers of --config (the file `idemq run` \
+            runs). The console has no login: keep it on loopback or behind an authenticating \
+            proxy. Ctrl-C or SIGTERM stops it.",
+        after_long_help = EXIT_CODES
+    )]
+    Console(console::ConsoleArgs),
 }
 
 /// `idemq dlq …`.

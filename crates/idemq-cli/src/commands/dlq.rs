@@ -15,7 +15,7 @@ use idemq::{ConflictPolicy, Consumer, DeliveryMeta, Outcome, SourceError};
 use crate::backend::Backend;
 use crate::interrupt::Interrupt;
 use crate::output::{cell, dead_letter_json, origin, shell_word, time, Table};
-use crate::{exit, sink, DlqListArgs, DlqReplayArgs};
+use crate::{exit, sink, DlqListArgs, DlqReplayArgs, ProcessingArgs, SinkArgs};
 
 /// Dead letters fetched per query while collecting.
 const PAGE: u32 = 500;
@@ -62,25 +62,98 @@ pub async fn list<B: Backend>(store: &B, args: &DlqListArgs) -> Result<ExitCode>
     Ok(ExitCode::SUCCESS)
 }
 
+/// Runs one consumer's dead letters through its handler again, one at a
+/// time, and deletes the letters that were resolved or replaced: the engine
+/// of `idemq dlq replay` and of the console's replay buttons.
+pub(crate) struct Replayer<B: Backend> {
+    consumer: Consumer<B>,
+    last_outcome: Arc<Mutex<Option<Outcome>>>,
+    ignore_conflicts: bool,
+}
+
+impl<B: Backend> Replayer<B> {
+    /// The consumer `name` with the sink and processing options of a
+    /// `consume` run (the same key and fingerprint, so keys match the inbox);
+    /// runs the sink's `--init-sql`.
+    pub(crate) async fn new(
+        name: &str,
+        store: B,
+        processing: &ProcessingArgs,
+        sink_args: &SinkArgs,
+    ) -> Result<Self> {
+        let sink::Sink { handler, statement } = sink::build::<B>(sink_args)?;
+        let last_outcome: Arc<Mutex<Option<Outcome>>> = Arc::default();
+        let hook_slot = Arc::clone(&last_outcome);
+        let consumer = super::configure(Consumer::builder(name, store), processing)
+            .handler(handler)
+            .concurrency(1)
+            .on_outcome(move |outcome| {
+                *hook_slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(outcome.clone());
+            })
+            .build()
+            .map_err(exit::usage)?;
+        sink::init(consumer.store().as_ref(), sink_args, statement.as_deref()).await?;
+        Ok(Self {
+            consumer,
+            last_outcome,
+            ignore_conflicts: ConflictPolicy::from(processing.on_conflict)
+                == ConflictPolicy::Ignore,
+        })
+    }
+
+    /// The store the consumer runs on.
+    pub(crate) fn store(&self) -> &Arc<B> {
+        self.consumer.store()
+    }
+
+    /// Runs `letter`'s message (with its original origin) through the
+    /// handler until it settles or `stop` fires; deletes the letter when the
+    /// verdict says so.
+    pub(crate) async fn replay(
+        &self,
+        letter: &DeadLetterRecord,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Verdict> {
+        *self
+            .last_outcome
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = None;
+        let queue = MemoryQueue::new(letter.meta.topic.clone().unwrap_or_default());
+        queue.push(letter.message.clone());
+        queue.close();
+        let source = ReplaySource {
+            inner: queue.source(),
+            meta: letter.meta.clone(),
+        };
+        self.consumer
+            .run_until(source, stop)
+            .await
+            .context("replaying")?;
+        let outcome = self
+            .last_outcome
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let verdict = Verdict::of(
+            outcome.as_ref(),
+            self.ignore_conflicts,
+            letter.key.as_deref(),
+        );
+        if verdict.deletes() {
+            self.store()
+                .delete_dead_letter(letter.id)
+                .await
+                .with_context(|| format!("deleting dead letter #{}", letter.id))?;
+        }
+        Ok(verdict)
+    }
+}
+
 /// Replays dead letters one at a time; deletes the ones that were resolved or
 /// replaced by a new dead letter.
 pub async fn replay<B: Backend>(store: B, args: DlqReplayArgs) -> Result<ExitCode> {
-    let sink::Sink { handler, statement } = sink::build::<B>(&args.sink)?;
-    let last_outcome: Arc<Mutex<Option<Outcome>>> = Arc::default();
-    let hook_slot = Arc::clone(&last_outcome);
-    let consumer = super::configure(
-        Consumer::builder(args.consumer.as_str(), store),
-        &args.processing,
-    )
-    .handler(handler)
-    .concurrency(1)
-    .on_outcome(move |outcome| {
-        *hook_slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(outcome.clone());
-    })
-    .build()
-    .map_err(exit::usage)?;
-    let store = Arc::clone(consumer.store());
-    sink::init(store.as_ref(), &args.sink, statement.as_deref()).await?;
+    let replayer = Replayer::new(&args.consumer, store, &args.processing, &args.sink).await?;
+    let store = Arc::clone(replayer.store());
 
     let wanted: Option<BTreeSet<i64>> =
         (!args.selection.all).then(|| args.selection.ids.iter().copied().collect());
@@ -98,37 +171,13 @@ pub async fn replay<B: Backend>(store: B, args: DlqReplayArgs) -> Result<ExitCod
         }
     }
 
-    let ignore_conflicts =
-        ConflictPolicy::from(args.processing.on_conflict) == ConflictPolicy::Ignore;
     let interrupt = Interrupt::listen();
     let mut tally = Tally::default();
     for letter in &letters {
         if interrupt.is_set() {
             break;
         }
-        *last_outcome.lock().unwrap_or_else(PoisonError::into_inner) = None;
-        let queue = MemoryQueue::new(letter.meta.topic.clone().unwrap_or_default());
-        queue.push(letter.message.clone());
-        queue.close();
-        let source = ReplaySource {
-            inner: queue.source(),
-            meta: letter.meta.clone(),
-        };
-        consumer
-            .run_until(source, interrupt.wait())
-            .await
-            .context("replaying")?;
-        let outcome = last_outcome
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        let verdict = Verdict::of(outcome.as_ref(), ignore_conflicts, letter.key.as_deref());
-        if verdict.deletes() {
-            store
-                .delete_dead_letter(letter.id)
-                .await
-                .with_context(|| format!("deleting dead letter #{}", letter.id))?;
-        }
+        let verdict = replayer.replay(letter, interrupt.wait()).await?;
         tally.count(&verdict);
         println!("#{} {}: {}", letter.id, key_label(letter), verdict);
     }
@@ -158,7 +207,7 @@ pub async fn replay<B: Backend>(store: B, args: DlqReplayArgs) -> Result<ExitCod
 }
 
 /// The consumer's dead letters present now (all, or those in `wanted`), oldest first.
-async fn collect<B: Backend>(
+pub(crate) async fn collect<B: Backend>(
     store: &B,
     consumer: &str,
     wanted: Option<&BTreeSet<i64>>,
@@ -193,7 +242,7 @@ fn key_label(letter: &DeadLetterRecord) -> String {
 }
 
 /// What replaying one dead letter came to.
-enum Verdict {
+pub(crate) enum Verdict {
     /// Processed now.
     Processed,
     /// Already processed (with the same payload) since it was dead-lettered.
@@ -251,8 +300,13 @@ impl Verdict {
         }
     }
 
+    /// Whether the message is now processed (now or before).
+    pub(crate) fn resolved(&self) -> bool {
+        matches!(self, Verdict::Processed | Verdict::Duplicate { .. })
+    }
+
     /// Whether the original dead letter goes.
-    fn deletes(&self) -> bool {
+    pub(crate) fn deletes(&self) -> bool {
         matches!(
             self,
             Verdict::Processed

@@ -3,7 +3,7 @@
 pub(crate) mod chaos;
 pub(crate) mod config;
 mod consume;
-mod dlq;
+pub(crate) mod dlq;
 pub(crate) mod generate;
 mod inspect;
 mod migrate;
@@ -45,6 +45,7 @@ pub async fn run<B: Backend + Clone>(
         Command::Run(args) => config::run(args, global).await,
         Command::Config(command) => config::check(command, global),
         Command::Man => generate::man(),
+        Command::Console(args) => crate::console::run(store, global, args).await,
     }
 }
 
