@@ -10,7 +10,6 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use idemq::store::DeadLetterRecord;
 use maud::Markup;
 use serde::Deserialize;
 use tokio::sync::oneshot;
@@ -20,10 +19,12 @@ use super::{Console, ReplayJob, Settled};
 use crate::backend::Backend;
 use crate::commands::dlq::collect;
 
-/// Letters read per page of `/letters`.
-const PAGE: u32 = 200;
+/// Letters shown per page of `/letters`.
+const PAGE: u32 = 100;
+/// Letters read per query while scanning (one page held at a time).
+const SCAN_PAGE: u32 = 100;
 /// Letters read at most to group one consumer's by reason.
-const GROUP_SCAN: usize = 20_000;
+const GROUP_SCAN: usize = 50_000;
 
 type Shared<B> = State<Arc<Console<B>>>;
 
@@ -117,28 +118,10 @@ async fn consumer<B: Backend + Clone>(
     State(console): Shared<B>,
     Query(q): Query<ConsumerQuery>,
 ) -> Response {
-    let (letters, scanned_all) = match scan(console.store.as_ref(), &q.name, GROUP_SCAN).await {
+    let (groups, scanned_all) = match group_by_reason(console.store.as_ref(), &q.name).await {
         Ok(scan) => scan,
         Err(e) => return store_failed(&console, "reading dead letters", e),
     };
-    let mut groups: BTreeMap<&str, Group> = BTreeMap::new();
-    for d in &letters {
-        let group = groups.entry(d.reason.as_str()).or_insert_with(|| Group {
-            reason: d.reason.clone(),
-            count: 0,
-            oldest_ms: d.created_ms,
-            newest_ms: d.created_ms,
-            last_error: String::new(),
-        });
-        group.count += 1;
-        group.oldest_ms = group.oldest_ms.min(d.created_ms);
-        if d.created_ms >= group.newest_ms {
-            group.newest_ms = d.created_ms;
-            group.last_error.clone_from(&d.error);
-        }
-    }
-    let mut groups: Vec<Group> = groups.into_values().collect();
-    groups.sort_by(|a, b| b.count.cmp(&a.count).then(a.reason.cmp(&b.reason)));
     let steps = console.history.steps(&q.name);
     let body = views::consumer(
         &q.name,
@@ -150,28 +133,49 @@ async fn consumer<B: Backend + Clone>(
     console.page(&q.name, body)
 }
 
-/// Up to `max` of the consumer's dead letters, oldest first, and whether
-/// that was all of them.
-async fn scan<B: Backend>(
+/// The consumer's dead letters summed up by reason, most letters first,
+/// read a page at a time (only one page is held: letters can be large),
+/// at most [`GROUP_SCAN`] letters; and whether that was all of them.
+async fn group_by_reason<B: Backend>(
     store: &B,
     consumer: &str,
-    max: usize,
-) -> Result<(Vec<DeadLetterRecord>, bool), idemq::StoreError> {
-    let mut out = Vec::new();
+) -> Result<(Vec<Group>, bool), idemq::StoreError> {
+    let mut groups: BTreeMap<String, Group> = BTreeMap::new();
     let mut after = 0;
-    while out.len() < max {
-        let page = store.dead_letters(Some(consumer), after, 500).await?;
-        let full = page.len() == 500;
+    let mut read = 0;
+    let scanned_all = loop {
+        if read >= GROUP_SCAN {
+            break false;
+        }
+        let page = store.dead_letters(Some(consumer), after, SCAN_PAGE).await?;
+        let full = page.len() == SCAN_PAGE as usize;
         let Some(last) = page.last() else {
-            return Ok((out, true));
+            break true;
         };
         after = last.id;
-        out.extend(page);
-        if !full {
-            return Ok((out, true));
+        read += page.len();
+        for d in page {
+            let group = groups.entry(d.reason.clone()).or_insert_with(|| Group {
+                reason: d.reason.clone(),
+                count: 0,
+                oldest_ms: d.created_ms,
+                newest_ms: d.created_ms,
+                last_error: String::new(),
+            });
+            group.count += 1;
+            group.oldest_ms = group.oldest_ms.min(d.created_ms);
+            if d.created_ms >= group.newest_ms {
+                group.newest_ms = d.created_ms;
+                group.last_error = d.error;
+            }
         }
-    }
-    Ok((out, false))
+        if !full {
+            break true;
+        }
+    };
+    let mut groups: Vec<Group> = groups.into_values().collect();
+    groups.sort_by(|a, b| b.count.cmp(&a.count).then(a.reason.cmp(&b.reason)));
+    Ok((groups, scanned_all))
 }
 
 #[derive(Deserialize)]
@@ -194,13 +198,13 @@ async fn letters<B: Backend + Clone>(
     loop {
         let page = match console
             .store
-            .dead_letters(Some(&q.consumer), after, 500)
+            .dead_letters(Some(&q.consumer), after, SCAN_PAGE)
             .await
         {
             Ok(page) => page,
             Err(e) => return store_failed(&console, "reading dead letters", e),
         };
-        let full = page.len() == 500;
+        let full = page.len() == SCAN_PAGE as usize;
         let Some(last) = page.last() else { break };
         after = last.id;
         for d in page {

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::types::{AMQPValue, FieldTable};
@@ -9,7 +10,7 @@ use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserIn
 use lapin::{Connect, Connection, ConnectionProperties};
 
 use crate::error::SourceError;
-use crate::source::url::BrokerUrl;
+use crate::source::url::{Bare, BrokerUrl};
 
 /// Longest queue name accepted, so that the derived names stay under AMQP's 255 bytes.
 const MAX_QUEUE_NAME: usize = 200;
@@ -53,6 +54,9 @@ pub struct AmqpConfig {
     /// PEM files of the client's certificate and its key, for a broker that
     /// asks for one (`cert=PATH&key=PATH`).
     pub(super) client_cert: Option<(PathBuf, PathBuf)>,
+    /// How often the queue depth is read into `idemq_source_lag_messages`
+    /// (`lag_interval=`, default 5 s; zero: never).
+    pub(super) lag_interval: Duration,
 }
 
 impl fmt::Debug for AmqpConfig {
@@ -69,16 +73,19 @@ impl fmt::Debug for AmqpConfig {
             .field("queue", &self.queue)
             .field("prefetch", &self.prefetch)
             .field("queue_type", &self.queue_type)
+            .field("lag_interval", &self.lag_interval)
             .finish_non_exhaustive()
     }
 }
 
 impl AmqpConfig {
-    /// Parses `amqp://user:pass@host:port/vhost?queue=NAME&prefetch=N&queue_type=classic|quorum`.
+    /// Parses `amqp://user:pass@host:port/vhost?queue=NAME&prefetch=N&queue_type=classic|quorum&lag_interval=5s`.
     ///
     /// User and password default to `guest`, the port to 5672, the vhost to
-    /// `/`, `prefetch` to 32 and `queue_type` to `classic`; `queue` is
-    /// required. Unknown parameters are an error.
+    /// `/`, `prefetch` to 32, `queue_type` to `classic` and `lag_interval`
+    /// (how often the queue depth is read; `0` turns it off, else at least
+    /// 1 s; a bare number is seconds) to 5 s; `queue` is required. Unknown
+    /// parameters are an error.
     ///
     /// `amqps://` connects over TLS (port 5671 by default), verifying the
     /// broker against Mozilla's roots or the CA file in `cacert=PATH`, and
@@ -102,6 +109,7 @@ impl AmqpConfig {
         let mut queue = None;
         let mut prefetch = 32u16;
         let mut queue_type = QueueType::Classic;
+        let mut lag_interval = super::lag::DEFAULT_LAG_INTERVAL;
         let mut conn = AMQPQueryString::default();
         let mut ca_file = None;
         let (mut cert, mut key) = (None, None);
@@ -118,6 +126,12 @@ impl AmqpConfig {
                     queue_type = match p.choice(&["classic", "quorum"])? {
                         "quorum" => QueueType::Quorum,
                         _ => QueueType::Classic,
+                    }
+                }
+                "lag_interval" => {
+                    lag_interval = p.duration(Bare::Seconds)?;
+                    if !lag_interval.is_zero() && lag_interval < super::lag::MIN_LAG_INTERVAL {
+                        return Err(p.error("lag_interval must be 0 (off) or at least 1s"));
                     }
                 }
                 "heartbeat" => conn.heartbeat = Some(p.count()?),
@@ -156,6 +170,7 @@ impl AmqpConfig {
             queue_type,
             ca_file,
             client_cert,
+            lag_interval,
         }
         .queue(queue)
     }
@@ -182,6 +197,18 @@ impl AmqpConfig {
     pub fn queue_type(mut self, queue_type: QueueType) -> Self {
         self.queue_type = queue_type;
         self
+    }
+
+    /// Sets how often the queue depth is read (zero: never; else at least 1 s,
+    /// shorter intervals count as 1 s).
+    pub fn lag_interval(mut self, every: Duration) -> Self {
+        self.lag_interval = every;
+        self
+    }
+
+    /// How often the queue depth is read (zero: never).
+    pub fn lag_poll_interval(&self) -> Duration {
+        self.lag_interval
     }
 
     /// The work queue.
@@ -278,6 +305,11 @@ mod tests {
         assert_eq!(c.prefetch_count(), 4);
         assert_eq!(c.work_queue_type(), QueueType::Quorum);
         assert_eq!(c.uri.query.heartbeat, Some(10));
+        assert_eq!(c.lag_poll_interval(), Duration::from_secs(5));
+        let off = AmqpConfig::from_url("amqp://h/?queue=q&lag_interval=0").unwrap();
+        assert_eq!(off.lag_poll_interval(), Duration::ZERO);
+        let every = AmqpConfig::from_url("amqp://h/?queue=q&lag_interval=2").unwrap();
+        assert_eq!(every.lag_poll_interval(), Duration::from_secs(2));
         assert!(!format!("{c:?}").contains("g@st"));
 
         let c = AmqpConfig::from_url("amqp://rabbit/prod?queue=q").unwrap();
@@ -309,6 +341,8 @@ mod tests {
             "amqp://h/?queue=q&prefetch=0",
             "amqp://h/?queue=q&queue_type=stream",
             "amqp://h/?queue=q&bogus=1",
+            "amqp://h/?queue=q&lag_interval=500ms",
+            "amqp://h/?queue=q&lag_interval=x",
             "amqp://h/%zz?queue=q",
             "amqp:///?queue=q",
             "amqp://h/?queue=amq.x",

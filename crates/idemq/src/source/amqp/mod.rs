@@ -62,9 +62,18 @@
 //! JSON). The metadata has source `amqp` and the queue name as topic.
 //! [`AmqpPublisher`] writes messages in the same places.
 //!
+//! ## Lag
+//!
+//! Every 5 s (`lag_interval=`; `0` turns it off) a background task declares
+//! the work queue passively, on a channel of its own, and sets the gauge
+//! `idemq_source_lag_messages{source="amqp",group="",topic=QUEUE,partition=""}`
+//! to its `message_count`: the messages ready, not delivered yet. Those
+//! delivered and not acknowledged yet (at most the prefetch) are not
+//! counted: AMQP does not tell them.
+//!
 //! ## URL
 //!
-//! `amqp://user:pass@host:port/vhost?queue=NAME[&prefetch=N][&queue_type=classic|quorum]`,
+//! `amqp://user:pass@host:port/vhost?queue=NAME[&prefetch=N][&queue_type=classic|quorum][&lag_interval=5s]`,
 //! with the vhost percent-encoded (`%2f` is `/`, the default when the path
 //! is empty). `heartbeat`, `connection_timeout`, `frame_max` and
 //! `channel_max` are passed to the connection.
@@ -96,6 +105,7 @@ mod acker;
 mod channel;
 mod config;
 mod headers;
+mod lag;
 mod publisher;
 mod registration;
 mod source;

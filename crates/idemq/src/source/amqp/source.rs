@@ -13,6 +13,7 @@ use lapin::{Channel, Connection};
 use super::acker::{AmqpAcker, Held};
 use super::channel::{broker, short};
 use super::headers::{as_u64, value_bytes, DELIVERIES_HEADER, DELIVERY_COUNT_HEADER, KEY_HEADER};
+use super::lag::LagPoller;
 use super::AmqpConfig;
 use crate::error::{InputError, SourceError};
 use crate::message::{DeliveryMeta, Headers, Message};
@@ -33,6 +34,9 @@ pub struct AmqpSource {
     // Kept so the consumer channel lives as long as the source.
     _channel: Channel,
     connection: Connection,
+    /// Reads the queue depth in the background, on a channel of its own
+    /// (stopped with the source).
+    _lag: Option<LagPoller>,
 }
 
 impl fmt::Debug for AmqpSource {
@@ -92,11 +96,13 @@ impl AmqpSource {
             .await
             .map_err(broker("starting the consumer"))?;
         tracing::info!(queue = %config.queue, prefetch = config.prefetch, "consuming");
+        let lag = lag_poller(&connection, &config).await;
         Ok(Self {
             shared: Arc::new(Shared { publish, config }),
             consumer,
             _channel: channel,
             connection,
+            _lag: lag,
         })
     }
 
@@ -168,6 +174,26 @@ impl AmqpSource {
         match defect {
             Some(d) => delivery.with_defect(d),
             None => delivery,
+        }
+    }
+}
+
+/// Starts reading the queue depth on a channel of its own, unless
+/// `lag_interval` is zero. A channel that cannot be opened costs the lag
+/// only (logged), never the consumer.
+async fn lag_poller(connection: &Connection, config: &AmqpConfig) -> Option<LagPoller> {
+    if config.lag_interval.is_zero() {
+        return None;
+    }
+    match connection.create_channel().await {
+        Ok(channel) => Some(LagPoller::start(
+            channel,
+            config.queue.clone(),
+            config.lag_interval,
+        )),
+        Err(e) => {
+            tracing::warn!(queue = %config.queue, error = %e, "opening the channel that reads the queue depth failed; no idemq_source_lag_messages");
+            None
         }
     }
 }

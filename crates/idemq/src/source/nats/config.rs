@@ -53,6 +53,9 @@ pub struct NatsConfig {
     /// A file holding an nkey seed (`nkey=PATH`, as `nats --nkey`): the
     /// client signs the server's nonce with it.
     pub nkey_file: Option<PathBuf>,
+    /// How often the consumer's lag is read into `idemq_source_lag_messages`
+    /// (`lag_interval=`, default 5 s; zero turns it off, else at least 1 s).
+    pub lag_interval: Duration,
 }
 
 impl std::fmt::Debug for NatsConfig {
@@ -73,6 +76,7 @@ impl std::fmt::Debug for NatsConfig {
             .field("ca_file", &self.ca_file)
             .field("client_cert", &self.client_cert)
             .field("nkey_file", &self.nkey_file)
+            .field("lag_interval", &self.lag_interval)
             .finish()
     }
 }
@@ -80,7 +84,8 @@ impl std::fmt::Debug for NatsConfig {
 impl NatsConfig {
     /// Defaults for `stream` and `consumer` on `nats://127.0.0.1:4222`: no
     /// subject, 30 s `ack_wait`, unlimited deliveries, 10 messages per pull
-    /// waiting up to 5 s, no dead-letter subject, nothing created.
+    /// waiting up to 5 s, no dead-letter subject, nothing created, the lag
+    /// read every 5 s.
     pub fn new(stream: impl Into<String>, consumer: impl Into<String>) -> Self {
         Self {
             server: "nats://127.0.0.1:4222".into(),
@@ -98,11 +103,12 @@ impl NatsConfig {
             ca_file: None,
             client_cert: None,
             nkey_file: None,
+            lag_interval: super::lag::DEFAULT_LAG_INTERVAL,
         }
     }
 
     /// Parses
-    /// `nats://[user:password@]host:port/STREAM/CONSUMER?subject=…&ack_wait=30s&max_deliver=10&batch=10&wait=5s&dlq_subject=…&duplicate_window=2m&create=true`.
+    /// `nats://[user:password@]host:port/STREAM/CONSUMER?subject=…&ack_wait=30s&max_deliver=10&batch=10&wait=5s&dlq_subject=…&duplicate_window=2m&create=true&lag_interval=5s`.
     ///
     /// Authentication as the NATS tools write it: `user:password@` in the
     /// URL, or a token alone as the user (`nats://TOKEN@host`), or
@@ -151,6 +157,7 @@ impl NatsConfig {
                 "cert" => cert = p.non_empty().map(PathBuf::from),
                 "key" => key = p.non_empty().map(PathBuf::from),
                 "nkey" => config.nkey_file = p.non_empty().map(PathBuf::from),
+                "lag_interval" => config.lag_interval = p.duration(Bare::Seconds)?,
                 _ => return Err(p.unknown()),
             }
         }
@@ -233,6 +240,12 @@ impl NatsConfig {
         self
     }
 
+    /// Sets how often the consumer's lag is read (zero: never).
+    pub fn lag_interval(mut self, every: Duration) -> Self {
+        self.lag_interval = every;
+        self
+    }
+
     /// Checks names and ranges.
     pub fn validate(&self) -> Result<(), SourceError> {
         if !self.server.starts_with("nats://") && !self.server.starts_with("tls://") {
@@ -285,6 +298,12 @@ impl NatsConfig {
             return Err(SourceError::config(format!(
                 "wait must be at least 100 ms, not {:?}",
                 self.wait
+            )));
+        }
+        if !self.lag_interval.is_zero() && self.lag_interval < Duration::from_secs(1) {
+            return Err(SourceError::config(format!(
+                "lag_interval must be 0 (off) or at least 1 s, not {:?}",
+                self.lag_interval
             )));
         }
         if self
@@ -540,6 +559,11 @@ mod tests {
         assert_eq!(c.dead_letter_subject.as_deref(), Some("dead.orders"));
         assert_eq!(c.duplicate_window, Some(Duration::from_secs(60)));
         assert!(c.create);
+        assert_eq!(c.lag_interval, Duration::from_secs(5));
+        let off = NatsConfig::from_url("nats://h/S/C?subject=a&lag_interval=0").unwrap();
+        assert_eq!(off.lag_interval, Duration::ZERO);
+        let every = NatsConfig::from_url("nats://h/S/C?subject=a&lag_interval=2").unwrap();
+        assert_eq!(every.lag_interval, Duration::from_secs(2));
 
         let c = NatsConfig::from_url("nats://u:p@nats.local/S/C/?subject=a.%3E&max_deliver=-1")
             .unwrap();
@@ -573,6 +597,8 @@ mod tests {
             "nats://h/S/C?subject=a&duplicate_window=50ms",
             "nats://h/S/C?subject=a&bogus=1",
             "nats://h/S/C?subject=a&create=maybe",
+            "nats://h/S/C?subject=a&lag_interval=500ms",
+            "nats://h/S/C?subject=a&lag_interval=soon",
         ] {
             assert!(
                 matches!(NatsConfig::from_url(url), Err(ref e) if e.kind() == SourceErrorKind::Config),

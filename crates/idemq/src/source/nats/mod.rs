@@ -57,9 +57,17 @@
 //! message's subject as topic, and its stream sequence as offset.
 //! [`NatsPublisher`] writes the same headers.
 //!
+//! # Lag
+//!
+//! Every 5 s (`lag_interval=`; `0` turns it off) a background task reads the
+//! durable consumer's info and sets the gauge
+//! `idemq_source_lag_messages{source="nats",group=CONSUMER,topic=STREAM,partition=""}`
+//! to `num_pending + num_ack_pending`: the messages not delivered yet plus
+//! those delivered and not acknowledged yet.
+//!
 //! # Configuration
 //!
-//! `nats://[user:password@]host:4222/STREAM/CONSUMER?subject=orders.>&ack_wait=30s&max_deliver=10&batch=10&wait=5s&dlq_subject=orders.dead&duplicate_window=2m&create=true`
+//! `nats://[user:password@]host:4222/STREAM/CONSUMER?subject=orders.>&ack_wait=30s&max_deliver=10&batch=10&wait=5s&dlq_subject=orders.dead&duplicate_window=2m&create=true&lag_interval=5s`
 //! (see [`NatsConfig::from_url`]).
 //!
 //! ```no_run
@@ -105,6 +113,7 @@
 
 mod acker;
 mod config;
+mod lag;
 mod mapping;
 mod publisher;
 mod registration;

@@ -13,6 +13,7 @@ use tokio::task::JoinHandle;
 
 use super::acker::NatsAcker;
 use super::config::{broker_error, NatsConfig};
+use super::lag::LagPoller;
 use super::mapping::to_message;
 use crate::error::SourceError;
 use crate::message::DeliveryMeta;
@@ -135,6 +136,8 @@ async fn pull(shared: Arc<Shared>, room: usize) -> Result<(), SourceError> {
 pub struct NatsSource {
     shared: Arc<Shared>,
     pulling: Option<JoinHandle<Result<(), SourceError>>>,
+    /// Reads the consumer's lag in the background (stopped with the source).
+    _lag: Option<LagPoller>,
 }
 
 impl std::fmt::Debug for NatsSource {
@@ -184,6 +187,7 @@ impl NatsSource {
         }
         config.dead_letter_stream(&js).await?;
         tracing::debug!(stream = %config.stream, consumer = %config.consumer, "NATS source connected");
+        let lag = LagPoller::start(consumer.clone(), config.lag_interval);
         Ok(Self {
             shared: Arc::new(Shared {
                 js,
@@ -197,6 +201,7 @@ impl NatsSource {
                 arrived: Notify::new(),
             }),
             pulling: None,
+            _lag: lag,
         })
     }
 

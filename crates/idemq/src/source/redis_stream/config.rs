@@ -34,6 +34,9 @@ pub struct RedisStreamConfig {
     /// Where a group created by this source starts: `0` (the whole stream,
     /// default) or `$` (only new entries).
     pub start: String,
+    /// How often the group's lag is read into `idemq_source_lag_messages`
+    /// (`lag_interval=`, default 5 s; zero turns it off, else at least 1 s).
+    pub lag_interval: Duration,
 }
 
 impl RedisStreamConfig {
@@ -53,11 +56,12 @@ impl RedisStreamConfig {
             count: 10,
             dead_letter_stream: None,
             start: "0".into(),
+            lag_interval: super::lag::DEFAULT_LAG_INTERVAL,
         }
     }
 
     /// Parses
-    /// `redis-stream://[user:password@]host:port/stream?group=NAME[&consumer=NAME][&claim_idle=30s][&block=2s][&count=10][&dead_letter_stream=NAME][&start=0|$][&db=N][&tls=true][&cacert=PATH][&cert=PATH&key=PATH]`.
+    /// `redis-stream://[user:password@]host:port/stream?group=NAME[&consumer=NAME][&claim_idle=30s][&block=2s][&count=10][&dead_letter_stream=NAME][&start=0|$][&lag_interval=5s][&db=N][&tls=true][&cacert=PATH][&cert=PATH&key=PATH]`.
     ///
     /// `tls=true` connects over TLS (as `rediss://`), verified against the
     /// system's and Mozilla's roots; `cacert` names a PEM file of the CA to
@@ -86,6 +90,7 @@ impl RedisStreamConfig {
                 "count" => config.count = p.count()?,
                 "dead_letter_stream" => config.dead_letter_stream = Some(p.value),
                 "start" => config.start = p.value,
+                "lag_interval" => config.lag_interval = p.duration(Bare::Millis)?,
                 "db" => db = Some(p.count::<u32>()?),
                 "tls" => tls = p.flag()?,
                 name @ ("cacert" | "cert" | "key") => {
@@ -150,6 +155,12 @@ impl RedisStreamConfig {
         self
     }
 
+    /// Sets how often the group's lag is read (zero: never).
+    pub fn lag_interval(mut self, every: Duration) -> Self {
+        self.lag_interval = every;
+        self
+    }
+
     /// Checks names and ranges.
     pub fn validate(&self) -> Result<(), SourceError> {
         if self.stream.is_empty() {
@@ -184,6 +195,12 @@ impl RedisStreamConfig {
             return Err(SourceError::config(format!(
                 "count must be from 1 to 1000, not {}",
                 self.count
+            )));
+        }
+        if !self.lag_interval.is_zero() && self.lag_interval < Duration::from_secs(1) {
+            return Err(SourceError::config(format!(
+                "lag_interval must be 0 (off) or at least 1s, not {:?}",
+                self.lag_interval
             )));
         }
         if !matches!(self.start.as_str(), "0" | "$") {
@@ -221,6 +238,12 @@ mod tests {
         assert_eq!(c.count, 5);
         assert_eq!(c.dead_letter_stream.as_deref(), Some("orders-dead"));
         assert_eq!(c.start, "$");
+        assert_eq!(c.lag_interval, Duration::from_secs(5));
+        let off = RedisStreamConfig::from_url("redis-stream://h/s?group=g&lag_interval=0").unwrap();
+        assert_eq!(off.lag_interval, Duration::ZERO);
+        let every =
+            RedisStreamConfig::from_url("redis-stream://h/s?group=g&lag_interval=2s").unwrap();
+        assert_eq!(every.lag_interval, Duration::from_secs(2));
 
         let c =
             RedisStreamConfig::from_url("redis-stream://u:p@localhost:6379/a%3Ab?group=g").unwrap();
@@ -253,6 +276,7 @@ mod tests {
             "redis-stream://h/orders?group=g&start=5",
             "redis-stream://h/orders?group=g&dead_letter_stream=orders",
             "redis-stream://h/orders?group=g&bogus=1",
+            "redis-stream://h/orders?group=g&lag_interval=500",
         ] {
             assert!(
                 matches!(

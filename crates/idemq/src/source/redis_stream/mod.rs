@@ -50,6 +50,16 @@
 //! pending entries once their entries were claimed; remove them with
 //! `XGROUP DELCONSUMER` if the list matters.
 //!
+//! # Lag
+//!
+//! Every 5 s (`lag_interval=`; `0` turns it off) a background task runs
+//! `XINFO GROUPS` and sets the gauge
+//! `idemq_source_lag_messages{source="redis-stream",group=GROUP,topic=STREAM,partition=""}`
+//! to the group's `lag` plus its `pending`: the entries not delivered to the
+//! group yet plus those delivered and not acknowledged yet. Redis before 7
+//! reports no `lag`, nor does Redis 7 after some deletions: those readings
+//! are skipped.
+//!
 //! # Entry layout
 //!
 //! [`RedisStreamPublisher`] writes, and the source reads:
@@ -113,6 +123,7 @@ mod acker;
 mod config;
 mod conn;
 mod entry;
+mod lag;
 mod pending;
 mod publisher;
 mod registration;

@@ -16,6 +16,7 @@ use super::acker::{Held, RedisStreamAcker};
 use super::config::{default_consumer_name, RedisStreamConfig};
 use super::conn::{broker_error, connection, is_transient, millis, COMMAND_TIMEOUT};
 use super::entry::to_message;
+use super::lag::LagPoller;
 use super::pending::{keep_fresh, Ready, Shared};
 use super::reply::{parse_autoclaim, parse_read, Entry};
 use crate::error::SourceError;
@@ -23,7 +24,8 @@ use crate::message::DeliveryMeta;
 use crate::source::kit::Unsettled;
 use crate::source::{Delivery, Source};
 
-const SOURCE_NAME: &str = "redis-stream";
+/// The source's name in [`DeliveryMeta::source`] and the lag gauge's labels.
+pub(super) const SOURCE_NAME: &str = "redis-stream";
 /// Pause after a transient failure before reading again.
 const RETRY_PAUSE: Duration = Duration::from_millis(500);
 
@@ -195,6 +197,8 @@ pub struct RedisStreamSource {
     reading: Option<JoinHandle<ReadOutcome>>,
     retries: mpsc::UnboundedReceiver<Ready>,
     keeper: JoinHandle<()>,
+    /// Reads the group's lag in the background (stopped with the source).
+    _lag: Option<LagPoller>,
 }
 
 impl std::fmt::Debug for RedisStreamSource {
@@ -230,6 +234,12 @@ impl RedisStreamSource {
             retries: tx,
         });
         let keeper = tokio::spawn(keep_fresh(Arc::downgrade(&shared), config.claim_idle / 4));
+        let lag = LagPoller::start(
+            shared.conn.clone(),
+            config.stream.clone(),
+            config.group.clone(),
+            config.lag_interval,
+        );
         tracing::debug!(stream = %config.stream, group = %config.group, consumer = %consumer, "Redis Streams source connected");
         Ok(Self {
             reader: Some(Reader {
@@ -246,6 +256,7 @@ impl RedisStreamSource {
             reading: None,
             retries: rx,
             keeper,
+            _lag: lag,
         })
     }
 

@@ -14,6 +14,7 @@ use rocketmq_runtime::{RuntimeConfig, RuntimeOwner};
 use tokio::sync::mpsc;
 
 use super::config::{AclCredentials, RocketMqConfig, StartFrom};
+use super::lag::LagReader;
 use super::source::Listener;
 use crate::error::SourceError;
 
@@ -256,6 +257,8 @@ async fn drive(
 
     let mut producer = None;
     let mut push = None;
+    // The consumer's lag reader and how often it reads (none: not read).
+    let mut lag: Option<(LagReader, tokio::time::Interval)> = None;
     let mut started: Result<(), SourceError> = Ok(());
     if want_producer {
         let mut builder = DefaultMQProducer::builder(Arc::clone(&client))
@@ -298,7 +301,14 @@ async fn drive(
         }
         .await;
         match result {
-            Ok(()) => push = Some(c),
+            Ok(()) => {
+                push = Some(c);
+                if !config.lag_interval.is_zero() {
+                    let mut ticks = tokio::time::interval(config.lag_interval);
+                    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    lag = Some((LagReader::new(&config.topic, &config.group), ticks));
+                }
+            }
             Err(e) => {
                 started = Err(client_error(
                     format!(
@@ -314,14 +324,22 @@ async fn drive(
 
     let ok = started.is_ok();
     if ready.send(started).is_ok() && ok {
+        let mut requests_open = true;
         loop {
             tokio::select! {
                 _ = &mut close => break,
-                request = requests.recv() => {
+                // The consumer's lag, read between requests (bounded in time).
+                _ = next_tick(&mut lag), if lag.is_some() => {
+                    if let (Some((reader, _)), Some(c)) = (lag.as_mut(), push.as_mut()) {
+                        reader.read(c).await;
+                    }
+                }
+                request = requests.recv(), if requests_open => {
                     let Some(request) = request else {
-                        // No producer handle left (or none made): wait for the close.
-                        let _ = (&mut close).await;
-                        break;
+                        // No producer handle left (or none made): only the
+                        // close (and the lag) from now on.
+                        requests_open = false;
+                        continue;
                     };
                     let result = match &producer {
                         Some(p) => match p.send_with_timeout(request.message, SEND_TIMEOUT_MS).await {
@@ -349,6 +367,16 @@ async fn drive(
     let report = client.shutdown().await;
     if !report.is_healthy() {
         tracing::debug!(report = %report.to_json(), "RocketMQ client shutdown report");
+    }
+}
+
+/// The next tick of the lag reader's interval (never, without one).
+async fn next_tick(lag: &mut Option<(LagReader, tokio::time::Interval)>) {
+    match lag {
+        Some((_, ticks)) => {
+            ticks.tick().await;
+        }
+        None => std::future::pending().await,
     }
 }
 

@@ -79,6 +79,9 @@ pub struct RocketMqConfig {
     /// The credentials every request is signed with, for a cluster with
     /// authentication (ACL); `None` (default): unsigned requests.
     pub credentials: Option<AclCredentials>,
+    /// How often the consumer's lag is read into `idemq_source_lag_messages`
+    /// (`lag_interval=`, default 5 s; zero turns it off, else at least 1 s).
+    pub lag_interval: Duration,
 }
 
 impl RocketMqConfig {
@@ -99,6 +102,7 @@ impl RocketMqConfig {
             start_from: StartFrom::Earliest,
             dead_letter_topic: None,
             credentials: None,
+            lag_interval: super::lag::DEFAULT_LAG_INTERVAL,
         }
     }
 
@@ -110,8 +114,9 @@ impl RocketMqConfig {
     /// `consume_threads`, `max_reconsume_times`, `consume_timeout` (a bare
     /// number is seconds; `consume_timeout_ms`, a bare number of
     /// milliseconds, is the older spelling), `start_from` (`earliest` or
-    /// `latest`) and `dead_letter_topic`. Name servers may also be separated
-    /// by commas.
+    /// `latest`), `dead_letter_topic` and `lag_interval` (how often the
+    /// consumer's lag is read, default 5 s; `0` turns it off). Name servers
+    /// may also be separated by commas.
     ///
     /// A cluster with authentication (ACL): the access key and secret key
     /// as the URL's user and password,
@@ -172,6 +177,14 @@ impl RocketMqConfig {
                         .map_err(|why| p.error(why))?;
                     config.dead_letter_topic = Some(p.value.clone());
                 }
+                "lag_interval" => {
+                    config.lag_interval = p.duration(Bare::Seconds)?;
+                    if !config.lag_interval.is_zero()
+                        && config.lag_interval < Duration::from_secs(1)
+                    {
+                        return Err(p.error("lag_interval must be 0 (off) or at least 1s"));
+                    }
+                }
                 _ => return Err(p.unknown()),
             }
         }
@@ -206,6 +219,12 @@ impl RocketMqConfig {
         self
     }
 
+    /// Sets how often the consumer's lag is read (zero: never).
+    pub fn lag_interval(mut self, every: Duration) -> Self {
+        self.lag_interval = every;
+        self
+    }
+
     pub(super) fn validate(&self) -> Result<(), SourceError> {
         let bad = |why: String| SourceError::config(format!("RocketMQ: {why}"));
         if self.name_server.split(';').any(|s| s.trim().is_empty()) {
@@ -221,6 +240,12 @@ impl RocketMqConfig {
         }
         if self.consume_timeout.is_zero() {
             return Err(bad("consume_timeout must be above zero".into()));
+        }
+        if !self.lag_interval.is_zero() && self.lag_interval < Duration::from_secs(1) {
+            return Err(bad(format!(
+                "lag_interval must be 0 (off) or at least 1s, not {:?}",
+                self.lag_interval
+            )));
         }
         Ok(())
     }
@@ -259,6 +284,11 @@ mod tests {
         assert_eq!(c.dead_letter_topic.as_deref(), Some("payments_dlq"));
         assert_eq!(c.start_from, StartFrom::Latest);
         assert_eq!(c.tags, "a||b");
+        assert_eq!(c.lag_interval, Duration::from_secs(5));
+        let off = RocketMqConfig::from_url("rocketmq://a:1/t?group=g&lag_interval=0").unwrap();
+        assert_eq!(off.lag_interval, Duration::ZERO);
+        let every = RocketMqConfig::from_url("rocketmq://a:1/t?group=g&lag_interval=3").unwrap();
+        assert_eq!(every.lag_interval, Duration::from_secs(3));
         let c = RocketMqConfig::from_url("rocketmq://a:1,b:2/t?group=g").unwrap();
         assert_eq!(c.name_server, "a:1;b:2");
         assert_eq!(c.tags, "*");
@@ -297,6 +327,7 @@ mod tests {
             "http://127.0.0.1:9876/payments?group=g",
             "rocketmq://127.0.0.1:9876/pay.ments?group=g",
             "rocketmq://127.0.0.1:9876/payments?group=g&bogus=1",
+            "rocketmq://127.0.0.1:9876/payments?group=g&lag_interval=10ms",
             "rocketmq://127.0.0.1:9876/payments?group=g&consume_threads=0",
             "rocketmq://127.0.0.1:9876/payments?group=g&start_from=middle",
             "rocketmq://127.0.0.1:9876/payments?group=g g",

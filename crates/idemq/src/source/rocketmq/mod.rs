@@ -74,6 +74,14 @@
 //! The default business key is [`default_key_spec`]: the keys, else the
 //! producer's unique id.
 //!
+//! Lag: every 5 s (`lag_interval=`; `0` turns it off) the client thread sets
+//! the gauge
+//! `idemq_source_lag_messages{source="rocketmq",group=GROUP,topic=TOPIC,partition="BROKER:QUEUE_ID"}`
+//! for each queue this consumer holds: the queue's max offset minus the
+//! consumer's own offset (what it has consumed, read from its memory and not
+//! from the broker, which would overwrite a newer offset). Queues another
+//! member holds are that member's to report.
+//!
 //! The RocketMQ client runs on a small Tokio runtime of its own (the crate
 //! insists on owning one), on a thread of its own; each source and publisher
 //! has one and shuts it down when dropped. Each is also a client of its own
@@ -106,6 +114,7 @@
 mod acker;
 mod client;
 mod config;
+mod lag;
 mod mapping;
 mod publisher;
 mod registration;

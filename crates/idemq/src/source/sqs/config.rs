@@ -53,6 +53,9 @@ pub struct SqsConfig {
     pub dead_letter_queue: Option<String>,
     /// Create the queue (and the dead-letter queue) if it does not exist.
     pub create_queue: bool,
+    /// How often the queue's backlog is read into `idemq_source_lag_messages`
+    /// (`lag_interval=`, default 5 s; zero turns it off, else at least 1 s).
+    pub lag_interval: Duration,
     credentials: Option<(String, String)>,
 }
 
@@ -68,6 +71,7 @@ impl std::fmt::Debug for SqsConfig {
             .field("batch", &self.batch)
             .field("dead_letter_queue", &self.dead_letter_queue)
             .field("create_queue", &self.create_queue)
+            .field("lag_interval", &self.lag_interval)
             .field("credentials", &self.credentials.as_ref().map(|_| "<set>"))
             .finish()
     }
@@ -77,7 +81,7 @@ impl SqsConfig {
     /// Defaults for `queue`: the region from `AWS_REGION` or
     /// `AWS_DEFAULT_REGION` (else the profile's, else `us-east-1`), AWS's own endpoint, a 30 s
     /// visibility timeout, 20 s long polls, 10 messages per receive, no
-    /// dead-letter queue, queues not created.
+    /// dead-letter queue, queues not created, the backlog read every 5 s.
     pub fn new(queue: impl Into<String>) -> Self {
         let region = std::env::var("AWS_REGION")
             .or_else(|_| std::env::var("AWS_DEFAULT_REGION"))
@@ -95,13 +99,16 @@ impl SqsConfig {
             batch: MAX_BATCH,
             dead_letter_queue: None,
             create_queue: false,
+            lag_interval: super::lag::DEFAULT_LAG_INTERVAL,
             credentials: None,
         }
     }
 
-    /// Parses `sqs://queue-name?endpoint=…&region=…&profile=…&visibility=30&wait=20&dlq=name&create=true&batch=10`.
+    /// Parses `sqs://queue-name?endpoint=…&region=…&profile=…&visibility=30&wait=20&dlq=name&create=true&batch=10&lag_interval=5s`.
     ///
-    /// Every parameter is optional. `visibility` and `wait` are durations
+    /// Every parameter is optional. `lag_interval` is how often the queue's
+    /// backlog is read (`0` turns it off). `visibility`, `wait` and
+    /// `lag_interval` are durations
     /// (`30`, `30s`, `1m`; a bare number is seconds) that must come to whole
     /// seconds. Values may be percent-encoded. Unknown parameters and
     /// out-of-range values are a [`SourceErrorKind::Config`](crate::SourceErrorKind::Config).
@@ -124,6 +131,7 @@ impl SqsConfig {
                 "batch" => config.batch = p.count()?,
                 "dlq" => config.dead_letter_queue = p.non_empty(),
                 "create" => config.create_queue = p.flag()?,
+                "lag_interval" => config.lag_interval = p.duration(Bare::Seconds)?,
                 _ => return Err(p.unknown()),
             }
         }
@@ -172,6 +180,12 @@ impl SqsConfig {
     /// Whether to create missing queues.
     pub fn create_queue(mut self, create: bool) -> Self {
         self.create_queue = create;
+        self
+    }
+
+    /// Sets how often the queue's backlog is read (zero: never).
+    pub fn lag_interval(mut self, every: Duration) -> Self {
+        self.lag_interval = every;
         self
     }
 
@@ -225,6 +239,12 @@ impl SqsConfig {
             return Err(SourceError::config(format!(
                 "batch must be from 1 to {MAX_BATCH}, not {}",
                 self.batch
+            )));
+        }
+        if !self.lag_interval.is_zero() && self.lag_interval < Duration::from_secs(1) {
+            return Err(SourceError::config(format!(
+                "lag_interval must be 0 (off) or at least 1 s, not {:?}",
+                self.lag_interval
             )));
         }
         if let Some(endpoint) = &self.endpoint {
@@ -349,6 +369,11 @@ mod tests {
         assert!(c.create_queue);
         assert_eq!(c.batch, 4);
         assert!(!c.is_fifo());
+        assert_eq!(c.lag_interval, Duration::from_secs(5));
+        let off = SqsConfig::from_url("sqs://orders?lag_interval=0").unwrap();
+        assert_eq!(off.lag_interval, Duration::ZERO);
+        let every = SqsConfig::from_url("sqs://orders?lag_interval=1m").unwrap();
+        assert_eq!(every.lag_interval, Duration::from_secs(60));
 
         let c =
             SqsConfig::from_url("sqs://jobs.fifo?endpoint=http%3A%2F%2Flocalhost%3A4566").unwrap();
@@ -373,6 +398,7 @@ mod tests {
             "sqs://orders?endpoint=127.0.0.1:5000",
             "sqs://orders.fifo?dlq=dead",
             "sqs://orders?visibility=abc",
+            "sqs://orders?lag_interval=200ms",
         ] {
             assert!(
                 matches!(SqsConfig::from_url(url), Err(ref e) if e.kind() == SourceErrorKind::Config),

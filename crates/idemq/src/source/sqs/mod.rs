@@ -49,9 +49,19 @@
 //! [`DeliveryMeta`] has source `sqs` and the queue name as topic.
 //! [`SqsPublisher`] writes the same attributes.
 //!
+//! # Lag
+//!
+//! Every 5 s (`lag_interval=`; `0` turns it off) a background task calls
+//! `GetQueueAttributes` and sets the gauge
+//! `idemq_source_lag_messages{source="sqs",group="",topic=QUEUE,partition=""}`
+//! to the messages not deleted yet: `ApproximateNumberOfMessages`
+//! (waiting) plus `ApproximateNumberOfMessagesNotVisible` (received, not
+//! deleted yet). Both are approximate, and not read at one instant: a
+//! message received meanwhile can count twice.
+//!
 //! # Configuration and credentials
 //!
-//! `sqs://queue-name?endpoint=http://127.0.0.1:5000&region=us-east-1&visibility=30&wait=20&dlq=queue-dead&create=true&batch=10`
+//! `sqs://queue-name?endpoint=http://127.0.0.1:5000&region=us-east-1&visibility=30&wait=20&dlq=queue-dead&create=true&batch=10&lag_interval=5s`
 //! (see [`SqsConfig::from_url`]). Credentials come from
 //! [`SqsConfig::credentials`], else from the AWS SDK's standard chain
 //! (`aws-config`): the environment (`AWS_ACCESS_KEY_ID` /
@@ -107,6 +117,7 @@
 
 mod acker;
 mod config;
+mod lag;
 mod mapping;
 mod publisher;
 mod queue;

@@ -10,6 +10,7 @@ use tokio::task::JoinHandle;
 
 use super::acker::SqsAcker;
 use super::config::{SqsConfig, MAX_WAIT_SECS};
+use super::lag::LagPoller;
 use super::mapping::to_message;
 use super::queue::{broker_error, resolve_queue};
 use super::shared::{release_now, Lease, Received, Shared};
@@ -63,6 +64,8 @@ async fn receive(shared: Arc<Shared>, max: i32) -> Result<Vec<Received>, SourceE
 pub struct SqsSource {
     shared: Arc<Shared>,
     receiving: Option<JoinHandle<Result<Vec<Received>, SourceError>>>,
+    /// Reads the queue's backlog in the background (stopped with the source).
+    _lag: Option<LagPoller>,
 }
 
 impl std::fmt::Debug for SqsSource {
@@ -85,6 +88,7 @@ impl SqsSource {
             None => None,
         };
         tracing::debug!(queue = %queue.name, url = %queue.url, "SQS source connected");
+        let lag = LagPoller::start(client.clone(), queue.clone(), config.lag_interval);
         Ok(Self {
             shared: Arc::new(Shared {
                 client,
@@ -97,6 +101,7 @@ impl SqsSource {
                 released: Notify::new(),
             }),
             receiving: None,
+            _lag: lag,
         })
     }
 
