@@ -299,56 +299,86 @@ impl<S: Store> Consumer<S> {
         }
         // The tasks hold their own senders: the former ends once they have.
         drop(ready);
-        let finished = async {
+        let grace = self.inner.shutdown_grace;
+        // Asked to stop: the grace period runs from now. The source may
+        // also have ended by itself (end of input, idle exit, failure):
+        // then the drain waits as long as it takes, unless a stop is asked
+        // meanwhile, which starts the grace period at that moment.
+        let mut deadline = stopped.then(|| Instant::now() + grace);
+        let drained = {
+            let finished = async {
+                while let Some(done) = tasks.join_next().await {
+                    count(&mut summary, done);
+                }
+                while let Some(formed) = former.join_next().await {
+                    match formed {
+                        Ok(formed) => summary.merge(&formed),
+                        Err(e) => tracing::error!(error = %e, "the unit former failed"),
+                    }
+                }
+            };
+            tokio::pin!(finished);
+            if deadline.is_none() {
+                let stop_asked = tokio::select! {
+                    () = &mut finished => false,
+                    () = &mut shutdown => true,
+                };
+                if stop_asked {
+                    stopped = true;
+                    deadline = Some(Instant::now() + grace);
+                }
+            }
+            match deadline {
+                Some(deadline) if stopped => {
+                    tokio::time::timeout_at(deadline, finished).await.is_ok()
+                }
+                _ => true,
+            }
+        };
+        if let (false, Some(_)) = (drained, deadline) {
+            // Read and not yet settled: what the aborts leave to the source.
+            let in_flight = read_ahead.saturating_sub(admitted.available_permits());
+            tracing::warn!(
+                consumer = %self.inner.name,
+                in_flight,
+                grace_ms = grace.as_millis() as u64,
+                "the shutdown grace period ended: abandoning the deliveries in flight to be redelivered"
+            );
+            tasks.abort_all();
+            former.abort_all();
             while let Some(done) = tasks.join_next().await {
                 count(&mut summary, done);
             }
             while let Some(formed) = former.join_next().await {
-                match formed {
-                    Ok(formed) => summary.merge(&formed),
-                    Err(e) => tracing::error!(error = %e, "the unit former failed"),
+                if let Ok(formed) = formed {
+                    summary.merge(&formed);
                 }
             }
-        };
-        let deadline = stopped.then(|| Instant::now() + self.inner.shutdown_grace);
-        match deadline {
-            None => finished.await,
-            Some(deadline) => {
-                if tokio::time::timeout_at(deadline, finished).await.is_err() {
-                    // Read and not yet settled: what the aborts leave to the source.
-                    let in_flight = read_ahead.saturating_sub(admitted.available_permits());
-                    tracing::warn!(
-                        consumer = %self.inner.name,
-                        in_flight,
-                        grace_ms = self.inner.shutdown_grace.as_millis() as u64,
-                        "the shutdown grace period ended: abandoning the deliveries in flight to be redelivered"
-                    );
-                    tasks.abort_all();
-                    former.abort_all();
-                    while let Some(done) = tasks.join_next().await {
-                        count(&mut summary, done);
-                    }
-                    while let Some(formed) = former.join_next().await {
-                        if let Ok(formed) = formed {
-                            summary.merge(&formed);
-                        }
-                    }
-                    summary.record_abandoned(in_flight as u64);
-                }
-            }
+            summary.record_abandoned(in_flight as u64);
         }
-        match deadline {
-            // Closing commits what settled (partitioned logs); a broker that
-            // no longer answers gets what is left of the grace, at least 1 s.
-            Some(deadline) => {
+        // Closing commits what settled (partitioned logs). After a stop, a
+        // broker that no longer answers gets what is left of the grace, at
+        // least 1 s; before one, as long as it takes unless a stop comes.
+        let close = async {
+            if let Some(deadline) = deadline {
                 let left = deadline
                     .saturating_duration_since(Instant::now())
                     .max(CLOSE_AT_LEAST);
-                if tokio::time::timeout(left, source.close()).await.is_err() {
-                    tracing::warn!(consumer = %self.inner.name, "closing the source outlasted the shutdown grace period");
-                }
+                return tokio::time::timeout(left, source.close()).await.is_ok();
             }
-            None => source.close().await,
+            let closing = source.close();
+            tokio::pin!(closing);
+            let stop_asked = tokio::select! {
+                () = &mut closing => false,
+                () = &mut shutdown => true,
+            };
+            !stop_asked
+                || tokio::time::timeout(grace.max(CLOSE_AT_LEAST), closing)
+                    .await
+                    .is_ok()
+        };
+        if !close.await {
+            tracing::warn!(consumer = %self.inner.name, "closing the source outlasted the shutdown grace period");
         }
         match failure {
             Some(e) => Err(e),
