@@ -12,7 +12,7 @@
 #![cfg(all(feature = "sqlite", feature = "exec"))]
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -21,34 +21,8 @@ use fantoccini::{Client, ClientBuilder, Locator};
 use sqlx::sqlite::SqlitePoolOptions;
 use sqlx::Row;
 
-const BIN: &str = env!("CARGO_BIN_EXE_idemq");
-
-/// The binary, with none of the environment that would override its flags.
-fn idemq() -> Command {
-    let mut cmd = Command::new(BIN);
-    cmd.env_remove("IDEMQ_STORE")
-        .env_remove("IDEMQ_TABLE_PREFIX")
-        .env_remove("IDEMQ_CONSUMER")
-        .env_remove("IDEMQ_CONFIG");
-    cmd
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Waits (20 s at most) until something listens on `port`.
-fn wait_listening(port: u16, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "{what} never listened on {port}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
+mod common;
+use common::{free_port, idemq, wait_listening};
 
 /// A child process killed when the test ends, however it ends.
 struct Killed(Child);

@@ -17,70 +17,16 @@
     )
 ))]
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Stdio;
+use std::time::Duration;
 
-const BIN: &str = env!("CARGO_BIN_EXE_idemq");
+mod common;
+use common::{free_port, idemq, watch_series};
+
 /// Messages produced per test.
 const PRODUCED: usize = 300;
 /// How long one test may take before it fails with what it saw.
 const DEADLINE: Duration = Duration::from_secs(120);
-
-/// The binary, with none of the environment that would override its flags.
-fn idemq() -> Command {
-    let mut cmd = Command::new(BIN);
-    cmd.env_remove("IDEMQ_STORE")
-        .env_remove("IDEMQ_TABLE_PREFIX")
-        .env_remove("IDEMQ_CONSUMER");
-    cmd
-}
-
-/// A GET of `path` from `--http-addr` on `port`: the status and the body,
-/// or `None` when the connection fails or breaks (a process exiting while
-/// it is asked).
-fn try_get(port: u16, path: &str) -> Option<(u16, String)> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).ok()?;
-    let status = response
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_owned())
-        .unwrap_or_default();
-    Some((status, body))
-}
-
-/// The sum of the series whose `name{labels…` starts with `prefix` (labels
-/// in the exporter's order, as written), 0 when there is none: one series
-/// when `prefix` names every label, the partitions of a topic when it stops
-/// before `partition`'s value.
-fn series(metrics: &str, prefix: &str) -> f64 {
-    metrics
-        .lines()
-        .filter_map(|line| {
-            let rest = line.strip_prefix(prefix)?;
-            rest.rsplit_once(' ')?.1.trim().parse::<f64>().ok()
-        })
-        .sum()
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// A name no earlier run used.
 fn unique(prefix: &str) -> String {
@@ -131,20 +77,7 @@ fn lags_while_consuming(url: &str, lag_series: &str) -> Vec<f64> {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut seen = Vec::new();
-    let deadline = Instant::now() + DEADLINE;
-    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
-        // The consumer exits by itself (--idle-exit): a scrape may race it.
-        if let Some((_, metrics)) = try_get(port, "/metrics") {
-            if metrics.contains(lag_series) {
-                let lag = series(&metrics, lag_series);
-                if seen.last() != Some(&lag) {
-                    seen.push(lag);
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let seen = watch_series(&mut child, port, lag_series, DEADLINE);
     let timed_out = child.try_wait().unwrap().is_none();
     let _ = child.kill();
     let out = child.wait_with_output().unwrap();

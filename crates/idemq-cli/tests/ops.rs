@@ -5,30 +5,13 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_idemq");
-
-/// The binary, with none of the environment that would override its flags.
-fn idemq() -> Command {
-    let mut cmd = Command::new(BIN);
-    cmd.env_remove("IDEMQ_STORE")
-        .env_remove("IDEMQ_TABLE_PREFIX")
-        .env_remove("IDEMQ_CONSUMER");
-    cmd
-}
-
-/// Waits (10 s at most) until something listens on `port`.
-fn wait_listening(port: u16) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "--http-addr {port} never opened");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
+mod common;
+use common::{free_port, get, idemq, series, wait_listening, watch_series};
 
 /// A TCP proxy to `upstream` that can be cut (every connection closed,
 /// new ones refused) and restored.
@@ -83,42 +66,6 @@ impl Proxy {
     }
 }
 
-/// `GET path` on `port`: (status, body).
-fn get(port: u16, path: &str) -> (u16, String) {
-    try_get(port, path).expect("an answer from --http-addr")
-}
-
-/// [`get`], or `None` when the connection fails or breaks (a process
-/// exiting while it is asked).
-fn try_get(port: u16, path: &str) -> Option<(u16, String)> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).ok()?;
-    let status = response
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_owned())
-        .unwrap_or_default();
-    Some((status, body))
-}
-
-/// The value of the series `name{labels}` (labels in the exporter's
-/// order, as written), 0 when absent.
-fn series(metrics: &str, name_and_labels: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// Polls `check` every 100 ms until it holds, for at most `limit`.
 fn eventually(limit: Duration, what: &str, mut check: impl FnMut() -> bool) {
     let deadline = Instant::now() + limit;
@@ -129,14 +76,6 @@ fn eventually(limit: Duration, what: &str, mut check: impl FnMut() -> bool) {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[cfg(feature = "postgres")]
@@ -311,7 +250,7 @@ async fn relay_metrics_show_the_outbox_backlog_and_its_lag() {
         .spawn()
         .unwrap();
     let scrape = move || {
-        wait_listening(port);
+        wait_listening(port, "the relay's --http-addr");
         get(port, "/metrics").1
     };
     let metrics = tokio::task::spawn_blocking(scrape).await.unwrap();
@@ -369,20 +308,7 @@ fn kafka_consumer_lag_is_exported() {
     let lag_series = format!(
         "idemq_source_lag_messages{{source=\"kafka\",group=\"lag_{run}\",topic=\"lag_{run}\",partition=\"0\"}}"
     );
-    let mut seen = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
-        // The consumer exits by itself (--idle-exit): a scrape may race it.
-        if let Some((_, metrics)) = try_get(port, "/metrics") {
-            if metrics.contains(&lag_series) {
-                let lag = series(&metrics, &lag_series);
-                if seen.last() != Some(&lag) {
-                    seen.push(lag);
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let seen = watch_series(&mut child, port, &lag_series, Duration::from_secs(90));
     let _ = child.kill();
     let out = child.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -22,6 +22,14 @@ pub mod jsonl;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod kit;
+#[cfg(any(
+    feature = "nats",
+    feature = "redis-streams",
+    feature = "amqp",
+    feature = "sqs",
+    feature = "rocketmq"
+))]
+pub(crate) mod lag;
 #[cfg(feature = "mqtt")]
 pub mod mqtt;
 #[cfg(feature = "nats")]

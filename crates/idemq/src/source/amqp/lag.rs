@@ -17,9 +17,9 @@ use std::time::Duration;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::Channel;
-use tokio::task::JoinHandle;
 
 use super::channel::short;
+use crate::source::lag::{self, LagGauge, Poller};
 
 /// How often the queue depth is read unless the URL says otherwise
 /// (`lag_interval=`).
@@ -31,30 +31,25 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The background task that reads the queue depth every interval; it stops
 /// when this is dropped (with the source).
-pub(super) struct LagPoller(JoinHandle<()>);
+pub(super) struct LagPoller {
+    /// The task, aborted on drop.
+    _task: Poller,
+}
 
 impl LagPoller {
     /// Starts polling `queue` on `channel` (which nothing else may use)
     /// every `every`.
     pub(super) fn start(channel: Channel, queue: String, every: Duration) -> Self {
-        Self(tokio::spawn(poll(
-            channel,
-            queue,
-            every.max(MIN_LAG_INTERVAL),
-        )))
+        Self {
+            _task: Poller::spawn(poll(channel, queue, every.max(MIN_LAG_INTERVAL))),
+        }
     }
 }
 
-impl Drop for LagPoller {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// Reads the queue depth every `every` and sets the gauge. A failure is
-/// logged at `warn` once, then at `debug` until a reading succeeds again,
-/// and leaves the last value in place; once the channel is closed (the
-/// queue was deleted, the connection lost) the polling ends.
+/// Reads the queue depth every `every` and sets the gauge; a failure
+/// leaves the last value in place (logged as [`LagGauge::failed`] says),
+/// and once the channel is closed (the queue was deleted, the connection
+/// lost) the polling ends.
 async fn poll(channel: Channel, queue: String, every: Duration) {
     let name = match short(&queue) {
         Ok(name) => name,
@@ -67,9 +62,8 @@ async fn poll(channel: Channel, queue: String, every: Duration) {
         passive: true,
         ..QueueDeclareOptions::default()
     };
-    let mut ticks = tokio::time::interval(every);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut failing = false;
+    let mut gauge = LagGauge::new("amqp", "", queue.as_str());
+    let mut ticks = lag::ticks(every);
     loop {
         ticks.tick().await;
         if !channel.status().connected() {
@@ -77,32 +71,13 @@ async fn poll(channel: Channel, queue: String, every: Duration) {
             return;
         }
         let declared = channel.queue_declare(name.clone(), passive, FieldTable::default());
-        let failure = match tokio::time::timeout(REQUEST_TIMEOUT, declared).await {
+        match tokio::time::timeout(REQUEST_TIMEOUT, declared).await {
             Ok(Ok(declared)) => {
-                // Looked up at each reading: a recorder installed after the
-                // source connected still gets it.
-                metrics::gauge!(
-                    "idemq_source_lag_messages",
-                    "source" => "amqp",
-                    "group" => "",
-                    "topic" => queue.clone(),
-                    "partition" => ""
-                )
-                .set(f64::from(declared.message_count()));
-                if failing {
-                    tracing::debug!(queue = %queue, "reading the AMQP queue depth works again");
-                }
-                failing = false;
-                continue;
+                gauge.set("", u64::from(declared.message_count()));
+                gauge.worked();
             }
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no answer within {REQUEST_TIMEOUT:?}"),
-        };
-        if failing {
-            tracing::debug!(queue = %queue, error = %failure, "reading the AMQP queue depth failed");
-        } else {
-            tracing::warn!(queue = %queue, error = %failure, "reading the AMQP queue depth failed; idemq_source_lag_messages keeps its last value");
+            Ok(Err(e)) => gauge.failed(&e),
+            Err(_) => gauge.failed(&format_args!("no answer within {REQUEST_TIMEOUT:?}")),
         }
-        failing = true;
     }
 }

@@ -10,7 +10,8 @@
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
-use tokio::task::JoinHandle;
+
+use crate::source::lag::{self, LagGauge, Poller};
 
 /// How often the lag is read unless the URL says otherwise (`lag_interval=`).
 pub(super) const DEFAULT_LAG_INTERVAL: Duration = Duration::from_secs(5);
@@ -19,7 +20,10 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The background task that reads the consumer's lag every interval; it
 /// stops when this is dropped (with the source).
-pub(super) struct LagPoller(JoinHandle<()>);
+pub(super) struct LagPoller {
+    /// The task, aborted on drop.
+    _task: Poller,
+}
 
 impl LagPoller {
     /// Starts polling `consumer` every `every`; `None` when `every` is zero
@@ -28,56 +32,30 @@ impl LagPoller {
         if every.is_zero() {
             return None;
         }
-        Some(Self(tokio::spawn(poll(consumer, every))))
+        Some(Self {
+            _task: Poller::spawn(poll(consumer, every)),
+        })
     }
 }
 
-impl Drop for LagPoller {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// Reads the consumer info every `every` and sets the gauge. A failure is
-/// logged at `warn` once (then at `debug` until a reading succeeds again)
-/// and leaves the last value in place.
+/// Reads the consumer info every `every` and sets the gauge; a failure
+/// leaves the last value in place (logged as [`LagGauge::failed`] says).
 async fn poll(consumer: PullConsumer, every: Duration) {
     let info = consumer.cached_info();
-    let (stream, name) = (info.stream_name.clone(), info.name.clone());
-    let mut ticks = tokio::time::interval(every);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut failing = false;
+    let mut gauge = LagGauge::new("nats", info.name.clone(), info.stream_name.clone());
+    let mut ticks = lag::ticks(every);
     loop {
         ticks.tick().await;
-        let failure = match tokio::time::timeout(REQUEST_TIMEOUT, consumer.get_info()).await {
+        match tokio::time::timeout(REQUEST_TIMEOUT, consumer.get_info()).await {
             Ok(Ok(info)) => {
                 let lag = info
                     .num_pending
                     .saturating_add(u64::try_from(info.num_ack_pending).unwrap_or(u64::MAX));
-                // Looked up at each reading: a recorder installed after the
-                // source connected still gets it.
-                metrics::gauge!(
-                    "idemq_source_lag_messages",
-                    "source" => "nats",
-                    "group" => name.clone(),
-                    "topic" => stream.clone(),
-                    "partition" => ""
-                )
-                .set(lag as f64);
-                if failing {
-                    tracing::debug!(stream = %stream, consumer = %name, "reading the NATS consumer lag works again");
-                }
-                failing = false;
-                continue;
+                gauge.set("", lag);
+                gauge.worked();
             }
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no answer within {REQUEST_TIMEOUT:?}"),
-        };
-        if failing {
-            tracing::debug!(stream = %stream, consumer = %name, error = %failure, "reading the NATS consumer lag failed");
-        } else {
-            tracing::warn!(stream = %stream, consumer = %name, error = %failure, "reading the NATS consumer lag failed; idemq_source_lag_messages keeps its last value");
+            Ok(Err(e)) => gauge.failed(&e),
+            Err(_) => gauge.failed(&format_args!("no answer within {REQUEST_TIMEOUT:?}")),
         }
-        failing = true;
     }
 }

@@ -13,14 +13,18 @@ use std::time::Duration;
 
 use redis::aio::ConnectionManager;
 use redis::streams::StreamInfoGroupsReply;
-use tokio::task::JoinHandle;
+
+use crate::source::lag::{self, LagGauge, Poller};
 
 /// How often the lag is read unless the URL says otherwise (`lag_interval=`).
 pub(super) const DEFAULT_LAG_INTERVAL: Duration = Duration::from_secs(5);
 
 /// The background task that reads the group's lag every interval; it stops
 /// when this is dropped (with the source).
-pub(super) struct LagPoller(JoinHandle<()>);
+pub(super) struct LagPoller {
+    /// The task, aborted on drop.
+    _task: Poller,
+}
 
 impl LagPoller {
     /// Starts polling the group `group` of `stream` over `conn` every
@@ -34,13 +38,9 @@ impl LagPoller {
         if every.is_zero() {
             return None;
         }
-        Some(Self(tokio::spawn(poll(conn, stream, group, every))))
-    }
-}
-
-impl Drop for LagPoller {
-    fn drop(&mut self) {
-        self.0.abort();
+        Some(Self {
+            _task: Poller::spawn(poll(conn, stream, group, every)),
+        })
     }
 }
 
@@ -75,47 +75,25 @@ async fn read(conn: &mut ConnectionManager, stream: &str, group: &str) -> Result
     })
 }
 
-/// Reads the group's lag every `every` and sets the gauge. A failure is
-/// logged at `warn` once, then at `debug` until a reading succeeds again,
-/// and leaves the last value in place; a lag Redis does not know is
-/// skipped (logged at `debug`).
+/// Reads the group's lag every `every` and sets the gauge; a failure
+/// leaves the last value in place (logged as [`LagGauge::failed`] says),
+/// and a lag Redis does not know is skipped (logged at `debug`).
 async fn poll(mut conn: ConnectionManager, stream: String, group: String, every: Duration) {
-    let mut ticks = tokio::time::interval(every);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut failing = false;
+    let mut gauge = LagGauge::new(super::source::SOURCE_NAME, group.as_str(), stream.as_str());
+    let mut ticks = lag::ticks(every);
     loop {
         ticks.tick().await;
         // The connection's response timeout bounds the call.
-        let failure = match read(&mut conn, &stream, &group).await {
+        match read(&mut conn, &stream, &group).await {
             Ok(Reading::Lag(lag)) => {
-                // Looked up at each reading: a recorder installed after the
-                // source connected still gets it.
-                metrics::gauge!(
-                    "idemq_source_lag_messages",
-                    "source" => super::source::SOURCE_NAME,
-                    "group" => group.clone(),
-                    "topic" => stream.clone(),
-                    "partition" => ""
-                )
-                .set(lag as f64);
-                if failing {
-                    tracing::debug!(stream = %stream, group = %group, "reading the Redis Streams group lag works again");
-                }
-                failing = false;
-                continue;
+                gauge.set("", lag);
+                gauge.worked();
             }
             Ok(Reading::Unknown) => {
                 // Not a failure: Redis before 7, or entries deleted.
                 tracing::debug!(stream = %stream, group = %group, "XINFO GROUPS tells no lag for the group; skipped");
-                continue;
             }
-            Err(e) => e,
-        };
-        if failing {
-            tracing::debug!(stream = %stream, group = %group, error = %failure, "no Redis Streams group lag");
-        } else {
-            tracing::warn!(stream = %stream, group = %group, error = %failure, "no Redis Streams group lag; idemq_source_lag_messages keeps its last value");
+            Err(e) => gauge.failed(&e),
         }
-        failing = true;
     }
 }

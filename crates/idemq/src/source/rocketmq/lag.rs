@@ -16,6 +16,8 @@ use std::time::Duration;
 
 use rocketmq_client_rust::{DefaultMQPushConsumer, ReadOffsetType};
 
+use crate::source::lag::LagGauge;
+
 /// How often the lag is read unless the URL says otherwise (`lag_interval=`).
 pub(super) const DEFAULT_LAG_INTERVAL: Duration = Duration::from_secs(5);
 /// How long one reading (every queue of the topic) may take.
@@ -23,10 +25,10 @@ const READING_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the client thread keeps between two readings.
 pub(super) struct LagReader {
+    /// The topic whose queues are read.
     topic: String,
-    group: String,
-    /// Whether the last reading failed (the next failure logs at `debug`).
-    failing: bool,
+    /// The gauge, labelled with the group and the topic.
+    gauge: LagGauge,
 }
 
 impl LagReader {
@@ -34,35 +36,24 @@ impl LagReader {
     pub(super) fn new(topic: &str, group: &str) -> Self {
         Self {
             topic: topic.to_owned(),
-            group: group.to_owned(),
-            failing: false,
+            gauge: LagGauge::new("rocketmq", group, topic),
         }
     }
 
-    /// Reads the lag of every queue `consumer` holds and sets the gauge. A
-    /// failure is logged at `warn` once, then at `debug` until a reading
-    /// succeeds again, and leaves the last values in place.
+    /// Reads the lag of every queue `consumer` holds and sets the gauge; a
+    /// failure leaves the last values in place (logged as
+    /// [`LagGauge::failed`] says).
     pub(super) async fn read(&mut self, consumer: &mut DefaultMQPushConsumer) {
-        let failure = match tokio::time::timeout(READING_TIMEOUT, self.read_queues(consumer)).await
-        {
-            Ok(Ok(())) => {
-                if self.failing {
-                    tracing::debug!(topic = %self.topic, group = %self.group, "reading the RocketMQ consumer lag works again");
-                }
-                self.failing = false;
-                return;
-            }
-            Ok(Err(e)) => e,
-            Err(_) => format!("no answer within {READING_TIMEOUT:?}"),
-        };
-        if self.failing {
-            tracing::debug!(topic = %self.topic, group = %self.group, error = %failure, "reading the RocketMQ consumer lag failed");
-        } else {
-            tracing::warn!(topic = %self.topic, group = %self.group, error = %failure, "reading the RocketMQ consumer lag failed; idemq_source_lag_messages keeps its last values");
+        match tokio::time::timeout(READING_TIMEOUT, self.read_queues(consumer)).await {
+            Ok(Ok(())) => self.gauge.worked(),
+            Ok(Err(e)) => self.gauge.failed(&e),
+            Err(_) => self
+                .gauge
+                .failed(&format_args!("no answer within {READING_TIMEOUT:?}")),
         }
-        self.failing = true;
     }
 
+    /// Sets the gauge of every queue of the topic that this consumer holds.
     async fn read_queues(&self, consumer: &mut DefaultMQPushConsumer) -> Result<(), String> {
         let Some(store) = consumer.offset_store() else {
             return Err("the consumer has no offset store yet".into());
@@ -82,16 +73,10 @@ impl LagReader {
                 .max_offset(&queue)
                 .await
                 .map_err(|e| format!("the max offset of queue {}: {e}", queue.queue_id()))?;
-            // Looked up at each reading: a recorder installed after the
-            // source connected still gets it.
-            metrics::gauge!(
-                "idemq_source_lag_messages",
-                "source" => "rocketmq",
-                "group" => self.group.clone(),
-                "topic" => self.topic.clone(),
-                "partition" => format!("{}:{}", queue.broker_name(), queue.queue_id())
-            )
-            .set(end.saturating_sub(consumed).max(0) as f64);
+            // Negative (the consumer's offset ahead of a stale end): 0.
+            let lag = u64::try_from(end.saturating_sub(consumed)).unwrap_or(0);
+            self.gauge
+                .set(format!("{}:{}", queue.broker_name(), queue.queue_id()), lag);
         }
         Ok(())
     }

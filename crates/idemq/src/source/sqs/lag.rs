@@ -18,9 +18,9 @@ use std::time::Duration;
 use aws_sdk_sqs::error::DisplayErrorContext;
 use aws_sdk_sqs::types::QueueAttributeName;
 use aws_sdk_sqs::Client;
-use tokio::task::JoinHandle;
 
 use super::queue::QueueRef;
+use crate::source::lag::{self, LagGauge, Poller};
 
 /// How often the backlog is read unless the URL says otherwise (`lag_interval=`).
 pub(super) const DEFAULT_LAG_INTERVAL: Duration = Duration::from_secs(5);
@@ -34,7 +34,10 @@ const COUNTED: [QueueAttributeName; 2] = [
 
 /// The background task that reads the queue's backlog every interval; it
 /// stops when this is dropped (with the source).
-pub(super) struct LagPoller(JoinHandle<()>);
+pub(super) struct LagPoller {
+    /// The task, aborted on drop.
+    _task: Poller,
+}
 
 impl LagPoller {
     /// Starts polling `queue` every `every`; `None` when `every` is zero
@@ -43,13 +46,9 @@ impl LagPoller {
         if every.is_zero() {
             return None;
         }
-        Some(Self(tokio::spawn(poll(client, queue, every))))
-    }
-}
-
-impl Drop for LagPoller {
-    fn drop(&mut self) {
-        self.0.abort();
+        Some(Self {
+            _task: Poller::spawn(poll(client, queue, every)),
+        })
     }
 }
 
@@ -84,39 +83,19 @@ async fn read(client: &Client, queue: &QueueRef) -> Result<u64, String> {
     Ok(total)
 }
 
-/// Reads the backlog every `every` and sets the gauge. A failure is logged
-/// at `warn` once, then at `debug` until a reading succeeds again, and
-/// leaves the last value in place.
+/// Reads the backlog every `every` and sets the gauge; a failure leaves
+/// the last value in place (logged as [`LagGauge::failed`] says).
 async fn poll(client: Client, queue: QueueRef, every: Duration) {
-    let mut ticks = tokio::time::interval(every);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut failing = false;
+    let mut gauge = LagGauge::new("sqs", "", queue.name.as_str());
+    let mut ticks = lag::ticks(every);
     loop {
         ticks.tick().await;
         match read(&client, &queue).await {
             Ok(lag) => {
-                // Looked up at each reading: a recorder installed after the
-                // source connected still gets it.
-                metrics::gauge!(
-                    "idemq_source_lag_messages",
-                    "source" => "sqs",
-                    "group" => "",
-                    "topic" => queue.name.clone(),
-                    "partition" => ""
-                )
-                .set(lag as f64);
-                if failing {
-                    tracing::debug!(queue = %queue.name, "reading the SQS queue backlog works again");
-                }
-                failing = false;
+                gauge.set("", lag);
+                gauge.worked();
             }
-            Err(e) if failing => {
-                tracing::debug!(queue = %queue.name, error = %e, "reading the SQS queue backlog failed");
-            }
-            Err(e) => {
-                tracing::warn!(queue = %queue.name, error = %e, "reading the SQS queue backlog failed; idemq_source_lag_messages keeps its last value");
-                failing = true;
-            }
+            Err(e) => gauge.failed(&e),
         }
     }
 }
