@@ -365,3 +365,81 @@ async fn bad_headers_and_missing_streams_are_refused() {
     ));
     delete_streams(&config).await;
 }
+
+/// A stream created by someone else with `max_msgs=50` and `discard`.
+async fn limited_stream(name: &str, discard: async_nats::jetstream::stream::DiscardPolicy) {
+    let js = config(name).jetstream().await.unwrap();
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: name.to_owned(),
+        subjects: vec![format!("{name}.in")],
+        max_messages: 50,
+        discard,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+}
+
+/// Loss the broker causes: a stream whose limits discard its oldest
+/// messages. idemq refuses it, naming the limit; accepted anyway
+/// (`broker_loss=warn`), 300 payments published at full speed reach the
+/// consumer as 50 — JetStream deleted the rest unprocessed. With the
+/// recommended `discard: new` the same load loses nothing silently: the
+/// stream refuses the publishes it cannot hold, the producer sees each
+/// refusal, and every payment it stored is applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stream_that_discards_unprocessed_messages_is_refused_and_does_lose_them() {
+    use async_nats::jetstream::stream::DiscardPolicy;
+    use idemq::source::loss::LossPolicy;
+    let ledger = Ledger::new().await;
+    let (messages, _) = payments(300, serde_json::json!({}));
+
+    let name = support::unique("discard_old");
+    limited_stream(&name, DiscardPolicy::Old).await;
+    let err = NatsSource::connect(config(&name)).await.unwrap_err();
+    assert_eq!(err.kind(), SourceErrorKind::Config, "{err}");
+    assert!(
+        err.to_string()
+            .contains(&format!("stream {name}: discard=old with max_msgs=50")),
+        "{err}"
+    );
+    publish(&config(&name), &messages).await;
+    let tally = Tally::default();
+    let consumer = tally.build(ledger.consumer("lossy", Arc::new(Plan::default())));
+    let accepted = config(&name).broker_loss(LossPolicy::Warn);
+    let source = NatsSource::connect(accepted.clone()).await.unwrap();
+    run_until_settled(&consumer, source, &tally, 50, Duration::from_secs(30)).await;
+    assert_eq!(tally.count(OutcomeKind::Processed), 50);
+    let mut first: Vec<String> = tally.processed_keys();
+    first.sort();
+    assert!(
+        !first.contains(&"p-0".to_owned()),
+        "the oldest were dropped: {first:?}"
+    );
+    delete_streams(&accepted).await;
+
+    let name = support::unique("discard_new");
+    limited_stream(&name, DiscardPolicy::New).await;
+    let recommended = config(&name);
+    let publisher = NatsPublisher::connect(recommended.clone()).await.unwrap();
+    let mut stored = BTreeMap::new();
+    let mut refused = 0;
+    for (i, m) in messages.iter().enumerate() {
+        match publisher.publish(m).await {
+            Ok(()) => {
+                stored.insert(format!("p-{i}"), i as i64 + 1);
+            }
+            Err(_) => refused += 1,
+        }
+    }
+    assert_eq!((stored.len(), refused), (50, 250));
+    let tally = Tally::default();
+    let consumer = tally.build(ledger.consumer("safe", Arc::new(Plan::default())));
+    let source = NatsSource::connect(recommended.clone()).await.unwrap();
+    run_until_settled(&consumer, source, &tally, 50, Duration::from_secs(30)).await;
+    let mut applied = tally.processed_keys();
+    applied.sort();
+    assert_eq!(applied, stored.keys().cloned().collect::<Vec<_>>());
+    delete_streams(&recommended).await;
+    ledger.cleanup().await;
+}

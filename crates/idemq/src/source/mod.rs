@@ -30,6 +30,7 @@ pub mod kit;
     feature = "rocketmq"
 ))]
 pub(crate) mod lag;
+pub mod loss;
 #[cfg(feature = "mqtt")]
 pub mod mqtt;
 #[cfg(feature = "nats")]

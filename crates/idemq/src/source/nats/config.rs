@@ -6,6 +6,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 
 use crate::error::SourceError;
+use crate::source::loss::LossPolicy;
 use crate::source::url::{redact, Bare, BrokerUrl};
 
 const MAX_BATCH: usize = 10_000;
@@ -56,6 +57,9 @@ pub struct NatsConfig {
     /// How often the consumer's lag is read into `idemq_source_lag_messages`
     /// (`lag_interval=`, default 5 s; zero turns it off, else at least 1 s).
     pub lag_interval: Duration,
+    /// What to do when the stream's limits can drop messages no consumer
+    /// processed (`broker_loss=refuse|warn`, default refuse).
+    pub broker_loss: LossPolicy,
 }
 
 impl std::fmt::Debug for NatsConfig {
@@ -77,6 +81,7 @@ impl std::fmt::Debug for NatsConfig {
             .field("client_cert", &self.client_cert)
             .field("nkey_file", &self.nkey_file)
             .field("lag_interval", &self.lag_interval)
+            .field("broker_loss", &self.broker_loss)
             .finish()
     }
 }
@@ -104,11 +109,12 @@ impl NatsConfig {
             client_cert: None,
             nkey_file: None,
             lag_interval: super::lag::DEFAULT_LAG_INTERVAL,
+            broker_loss: LossPolicy::Refuse,
         }
     }
 
     /// Parses
-    /// `nats://[user:password@]host:port/STREAM/CONSUMER?subject=…&ack_wait=30s&max_deliver=10&batch=10&wait=5s&dlq_subject=…&duplicate_window=2m&create=true&lag_interval=5s`.
+    /// `nats://[user:password@]host:port/STREAM/CONSUMER?subject=…&ack_wait=30s&max_deliver=10&batch=10&wait=5s&dlq_subject=…&duplicate_window=2m&create=true&lag_interval=5s&broker_loss=refuse`.
     ///
     /// Authentication as the NATS tools write it: `user:password@` in the
     /// URL, or a token alone as the user (`nats://TOKEN@host`), or
@@ -158,12 +164,20 @@ impl NatsConfig {
                 "key" => key = p.non_empty().map(PathBuf::from),
                 "nkey" => config.nkey_file = p.non_empty().map(PathBuf::from),
                 "lag_interval" => config.lag_interval = p.duration(Bare::Seconds)?,
+                "broker_loss" => config.broker_loss = LossPolicy::parse(&p.value)?,
                 _ => return Err(p.unknown()),
             }
         }
         config.client_cert = u.client_cert(cert, key)?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// What to do when the stream can drop unprocessed messages
+    /// ([`LossPolicy::Refuse`] by default).
+    pub fn broker_loss(mut self, policy: LossPolicy) -> Self {
+        self.broker_loss = policy;
+        self
     }
 
     /// Sets the server URL.

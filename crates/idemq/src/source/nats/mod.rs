@@ -65,9 +65,18 @@
 //! to `num_pending + num_ack_pending`: the messages not delivered yet plus
 //! those delivered and not acknowledged yet.
 //!
+//! # Loss the stream can cause
+//!
+//! A stream with limits (`max_msgs`, `max_bytes`, `max_age`,
+//! `max_msgs_per_subject`) and `discard: old` deletes its oldest messages
+//! when a limit is reached, whether or not this consumer processed them.
+//! [`NatsSource::connect`] reads the stream's configuration and refuses
+//! such a stream, naming the limit (`broker_loss=warn` logs it and runs;
+//! see [`crate::source::loss`]).
+//!
 //! # Configuration
 //!
-//! `nats://[user:password@]host:4222/STREAM/CONSUMER?subject=orders.>&ack_wait=30s&max_deliver=10&batch=10&wait=5s&dlq_subject=orders.dead&duplicate_window=2m&create=true&lag_interval=5s`
+//! `nats://[user:password@]host:4222/STREAM/CONSUMER?subject=orders.>&ack_wait=30s&max_deliver=10&batch=10&wait=5s&dlq_subject=orders.dead&duplicate_window=2m&create=true&lag_interval=5s&broker_loss=refuse`
 //! (see [`NatsConfig::from_url`]).
 //!
 //! ```no_run
@@ -114,6 +123,7 @@
 mod acker;
 mod config;
 mod lag;
+mod limits;
 mod mapping;
 mod publisher;
 mod registration;

@@ -158,6 +158,9 @@ impl NatsSource {
     pub async fn connect(config: NatsConfig) -> Result<Self, SourceError> {
         let js = config.jetstream().await?;
         let stream = config.stream(&js).await?;
+        config
+            .broker_loss
+            .apply("NATS", &super::limits::risks(&stream.cached_info().config))?;
         let consumer_config = pull::Config {
             durable_name: Some(config.consumer.clone()),
             ack_policy: AckPolicy::Explicit,
