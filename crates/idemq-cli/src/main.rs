@@ -771,6 +771,14 @@ pub(crate) async fn dispatch(cli: Cli) -> Result<ExitCode> {
     if let Command::Man = command {
         return commands::generate::man();
     }
+    let mut global = global;
+    if let Command::Console(console) = &command {
+        // The console reads the store its configuration's consumers use.
+        if let Some((store, prefix)) = console::store_of(console, &global)? {
+            global.store = store;
+            global.table_prefix = prefix;
+        }
+    }
     // Parsed here rather than by clap, which would also parse the default URL
     // of a global flag and fail in builds without SQLite.
     let url: StoreUrl = global.store.parse().map_err(exit::usage)?;

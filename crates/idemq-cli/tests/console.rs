@@ -249,7 +249,8 @@ async fn a_dead_letter_is_replayed_from_the_browser_and_lands_in_the_ledger_once
     let port = free_port();
     let _console = Killed(
         idemq()
-            .args(["--store", &store, "console", "--allow-changes", "--config"])
+            // No --store: the console reads the store of the file's consumers.
+            .args(["console", "--allow-changes", "--config"])
             .arg(&config)
             .args(["--http-addr", &format!("127.0.0.1:{port}")])
             .args(["--sample-every", "1s"])
