@@ -187,7 +187,13 @@ fn add_checks<DB: OutboxDatabase>(
         let pool = pool.clone();
         Arc::new(move || {
             let pool = pool.clone();
-            Box::pin(async move { pool.acquire().await.map(drop).map_err(|e| e.to_string()) })
+            // A round trip, not just a pooled connection that may be dead.
+            Box::pin(async move {
+                let mut conn = pool.acquire().await.map_err(|e| e.to_string())?;
+                sqlx::Connection::ping(&mut *conn)
+                    .await
+                    .map_err(|e| e.to_string())
+            })
         })
     };
     ops.ready("database", database);
