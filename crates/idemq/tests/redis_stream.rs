@@ -362,3 +362,195 @@ async fn connecting_to_a_stream_of_another_type_fails() {
     ));
     cleanup(&[&key]).await;
 }
+
+/// The group's `last-delivered-id` on `stream` and its oldest pending entry.
+async fn group_position(stream: &str, group: &str) -> (String, Option<String>) {
+    let mut conn = redis().await;
+    let groups: redis::streams::StreamInfoGroupsReply = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let last = groups
+        .groups
+        .into_iter()
+        .find(|g| g.name == group)
+        .unwrap()
+        .last_delivered_id;
+    let oldest: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .arg("-")
+        .arg("+")
+        .arg(1)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    (last, oldest.into_iter().next().map(|row| row.0))
+}
+
+/// `XTRIM stream <strategy> <threshold>` (exact, not `~`); the entries removed.
+async fn xtrim(stream: &str, strategy: &str, threshold: &str) -> i64 {
+    redis::cmd("XTRIM")
+        .arg(stream)
+        .arg(strategy)
+        .arg(threshold)
+        .query_async(&mut redis().await)
+        .await
+        .unwrap()
+}
+
+/// Loss the broker causes: a stream trimmed above its group's last
+/// delivered id. The group exists, 300 payments are added, none read, and
+/// `XTRIM MAXLEN 50` removes 250 the group never got. Connecting is refused,
+/// naming the ids; accepted anyway (`broker_loss=warn`), the consumer gets
+/// 50 — the loss is real — and once it has read past the gap, connecting
+/// is no longer refused. Trimmed only below the group's position (`XTRIM
+/// MINID` at its oldest pending entry, else its last delivered id), nothing
+/// is refused and all 300 are applied exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stream_trimmed_above_the_groups_position_is_refused_and_does_lose_entries() {
+    use idemq::source::loss::LossPolicy;
+    let (messages, expected) = payments(300, serde_json::json!({}));
+
+    let lossy_ledger = Ledger::new().await;
+    let stream = support::unique("trimmed");
+    let lossy = config(&stream);
+    drop(RedisStreamSource::connect(lossy.clone()).await.unwrap()); // creates the group
+    publish(&lossy, &messages).await;
+    assert_eq!(xtrim(&stream, "MAXLEN", "50").await, 250);
+    let first: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
+        .arg(&stream)
+        .arg("-")
+        .arg("+")
+        .arg("COUNT")
+        .arg(1)
+        .query_async(&mut redis().await)
+        .await
+        .unwrap();
+    let first = &first[0].0;
+    let err = match RedisStreamSource::connect(lossy.clone()).await {
+        Err(e) => e,
+        Ok(_) => panic!("a group that lost 250 unread entries was accepted"),
+    };
+    assert_eq!(err.kind(), SourceErrorKind::Config, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!(
+            "stream {stream}, group billing: 250 entries after the group's last-delivered-id 0-0 and before the stream's first entry {first} were trimmed before the group read them"
+        )),
+        "{text}"
+    );
+    assert!(text.contains("XTRIM MINID <last-delivered-id>"), "{text}");
+    assert!(text.contains("broker_loss=warn"), "{text}");
+
+    let tally = Tally::default();
+    let consumer = tally.build(lossy_ledger.consumer("lossy", Arc::new(Plan::default())));
+    let warned = lossy.clone().broker_loss(LossPolicy::Warn);
+    let source = RedisStreamSource::connect(warned).await.unwrap();
+    run_until_settled(&consumer, source, &tally, 50, Duration::from_secs(15)).await;
+    assert_eq!(tally.count(OutcomeKind::Processed), 50);
+    let mut got = tally.processed_keys();
+    got.sort_by_key(|k| k[2..].parse::<u32>().unwrap_or(u32::MAX));
+    let last_50: Vec<String> = (250..300).map(|i| format!("p-{i}")).collect();
+    assert_eq!(got, last_50, "only the 50 left were delivered");
+    // Read past the gap: the loss is behind the group, no longer refused.
+    drop(RedisStreamSource::connect(lossy).await.unwrap());
+    cleanup(&[&stream]).await;
+    lossy_ledger.cleanup().await;
+
+    let ledger = Ledger::new().await;
+    let stream = support::unique("trimmed_safe");
+    let safe = config(&stream).consumer("worker");
+    drop(RedisStreamSource::connect(safe.clone()).await.unwrap());
+    publish(&safe, &messages).await;
+    let tally = Tally::default();
+    let consumer = tally.build(ledger.consumer("safe", Arc::new(Plan::default())));
+    let source = RedisStreamSource::connect(safe.clone()).await.unwrap();
+    run_until_settled(&consumer, source, &tally, 100, Duration::from_secs(15)).await;
+    let (last, oldest_pending) = group_position(&stream, "billing").await;
+    let below = oldest_pending.unwrap_or(last);
+    let removed = xtrim(&stream, "MINID", &below).await;
+    assert!(removed >= 90, "the processed part was trimmed: {removed}");
+    let source = RedisStreamSource::connect(safe).await.unwrap();
+    run_until_settled(&consumer, source, &tally, 300, Duration::from_secs(20)).await;
+    ledger.assert_exactly_once(&expected).await;
+    assert_eq!(tally.count(OutcomeKind::Processed), 300);
+    cleanup(&[&stream]).await;
+    ledger.cleanup().await;
+}
+
+/// The `error` events logged in this process, as `field=value` text (a
+/// global subscriber: the lag poller logs from its own task).
+fn errors_logged() -> &'static std::sync::Mutex<Vec<String>> {
+    use std::fmt::Write;
+    use std::sync::{Mutex, OnceLock};
+    use tracing::{field, span, Event, Level, Metadata};
+    static LOGGED: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
+    struct Errors;
+    struct Text(String);
+    impl field::Visit for Text {
+        fn record_debug(&mut self, f: &field::Field, value: &dyn std::fmt::Debug) {
+            let _ = write!(self.0, "{}={value:?} ", f.name());
+        }
+    }
+    impl tracing::Subscriber for Errors {
+        fn enabled(&self, metadata: &Metadata<'_>) -> bool {
+            *metadata.level() == Level::ERROR
+        }
+        fn new_span(&self, _: &span::Attributes<'_>) -> span::Id {
+            span::Id::from_u64(1)
+        }
+        fn record(&self, _: &span::Id, _: &span::Record<'_>) {}
+        fn record_follows_from(&self, _: &span::Id, _: &span::Id) {}
+        fn event(&self, event: &Event<'_>) {
+            let mut text = Text(String::new());
+            event.record(&mut text);
+            if let Some(logged) = LOGGED.get() {
+                logged.lock().unwrap().push(text.0);
+            }
+        }
+        fn enter(&self, _: &span::Id) {}
+        fn exit(&self, _: &span::Id) {}
+    }
+    LOGGED.get_or_init(|| {
+        let _ = tracing::subscriber::set_global_default(Errors);
+        Mutex::default()
+    })
+}
+
+/// A trim after connecting cannot be refused: the lag poller finds it at
+/// its next reading and logs it at `error`, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_trim_while_running_is_logged_as_an_error_once() {
+    let logged = errors_logged();
+    let stream = support::unique("trimmed_live");
+    let config = config(&stream).lag_interval(Duration::from_secs(1));
+    let source = RedisStreamSource::connect(config.clone()).await.unwrap();
+    let (messages, _) = payments(300, serde_json::json!({}));
+    publish(&config, &messages).await;
+    assert_eq!(xtrim(&stream, "MAXLEN", "50").await, 250);
+    let about_it = || -> Vec<String> {
+        logged
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|line| line.contains(&stream))
+            .cloned()
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while about_it().is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(2500)).await; // two more readings
+    let lines = about_it();
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(
+        lines[0].contains("250 entries after the group's last-delivered-id 0-0"),
+        "{lines:?}"
+    );
+    drop(source);
+    cleanup(&[&stream]).await;
+}

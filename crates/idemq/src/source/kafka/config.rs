@@ -7,7 +7,8 @@ use rdkafka::config::ClientConfig;
 
 use crate::error::SourceError;
 use crate::key::KeySpec;
-use crate::source::url::BrokerUrl;
+use crate::source::loss::LossPolicy;
+use crate::source::url::{Bare, BrokerUrl};
 
 /// The header that carries [`Message::id`] on Kafka.
 ///
@@ -24,7 +25,7 @@ pub fn default_key_spec() -> KeySpec {
 }
 
 /// How to reach the broker, what to consume, and the consumer-group tuning.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct KafkaConfig {
     /// Bootstrap servers, `host:port[,host:port…]`.
@@ -50,8 +51,51 @@ pub struct KafkaConfig {
     ///
     /// [`create_topic`]: super::create_topic
     pub create_partitions: Option<i32>,
+    /// What to do when the topic's configuration, or the consumer's own, can
+    /// lose records the group never processed (`broker_loss=refuse|warn`,
+    /// default refuse; see [`KafkaSource::connect`]).
+    ///
+    /// [`KafkaSource::connect`]: super::KafkaSource::connect
+    pub broker_loss: LossPolicy,
+    /// The shortest `retention.ms` of the topic that is no risk
+    /// (`min_retention=` in the URL, a duration such as `12h` or `7d`;
+    /// default 1 day; `0` turns the check off): retention has to outlast
+    /// the longest time a consumer can be down or behind.
+    pub min_retention: Duration,
     /// Extra librdkafka settings, applied last (they override the above).
     pub settings: Vec<(String, String)>,
+}
+
+/// Shows secret settings (`sasl.password`, `ssl.key.password`, …) as `***`.
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let settings: Vec<(&str, &str)> = self
+            .settings
+            .iter()
+            .map(|(name, value)| {
+                let shown = if crate::redact::is_secret_param(name) {
+                    "***"
+                } else {
+                    value.as_str()
+                };
+                (name.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("topic", &self.topic)
+            .field("group", &self.group)
+            .field("auto_offset_reset", &self.auto_offset_reset)
+            .field("session_timeout", &self.session_timeout)
+            .field("dead_letter_topic", &self.dead_letter_topic)
+            .field("revoke_grace", &self.revoke_grace)
+            .field("max_buffered", &self.max_buffered)
+            .field("create_partitions", &self.create_partitions)
+            .field("broker_loss", &self.broker_loss)
+            .field("min_retention", &self.min_retention)
+            .field("settings", &settings)
+            .finish()
+    }
 }
 
 impl KafkaConfig {
@@ -71,6 +115,8 @@ impl KafkaConfig {
             revoke_grace: Duration::from_secs(5),
             max_buffered: 1000,
             create_partitions: None,
+            broker_loss: LossPolicy::Refuse,
+            min_retention: Duration::from_secs(86_400),
             settings: Vec::new(),
         }
     }
@@ -80,7 +126,12 @@ impl KafkaConfig {
     /// Query parameters: `group` (required), `offset_reset` (`earliest` or
     /// `latest`), `session_timeout_ms`, `revoke_grace_ms` (whole
     /// milliseconds, as the names say), `max_buffered`, `create_partitions`,
-    /// `dead_letter_topic`; any parameter whose name contains a dot is passed
+    /// `dead_letter_topic`, `broker_loss` (`refuse`, the default, or `warn`:
+    /// what to do when the topic can lose unprocessed records, see
+    /// [`KafkaSource::connect`](super::KafkaSource::connect)),
+    /// `min_retention` (the shortest `retention.ms` that is no risk, a
+    /// duration such as `12h` or `7d`, a bare number being seconds; default
+    /// `1d`); any parameter whose name contains a dot is passed
     /// to librdkafka as is (e.g. `heartbeat.interval.ms=500`). Values may be
     /// percent-encoded; the common URL rules are in `source::url`.
     ///
@@ -127,6 +178,8 @@ impl KafkaConfig {
                     config.create_partitions = Some(n);
                 }
                 "max_buffered" => config.max_buffered = p.count()?,
+                "broker_loss" => config.broker_loss = LossPolicy::parse(&p.value)?,
+                "min_retention" => config.min_retention = p.duration(Bare::Seconds)?,
                 "dead_letter_topic" => {
                     validate_topic(&p.value).map_err(|why| p.error(why))?;
                     config.dead_letter_topic = Some(p.value);
@@ -165,6 +218,20 @@ impl KafkaConfig {
     /// Sets how long a revocation waits for in-flight deliveries.
     pub fn revoke_grace(mut self, grace: Duration) -> Self {
         self.revoke_grace = grace;
+        self
+    }
+
+    /// Sets what to do when the topic can lose unprocessed records
+    /// ([`KafkaConfig::broker_loss`]).
+    pub fn broker_loss(mut self, policy: LossPolicy) -> Self {
+        self.broker_loss = policy;
+        self
+    }
+
+    /// Sets the shortest `retention.ms` that is no risk
+    /// ([`KafkaConfig::min_retention`]).
+    pub fn min_retention(mut self, retention: Duration) -> Self {
+        self.min_retention = retention;
         self
     }
 
@@ -237,6 +304,17 @@ pub(super) fn validate_topic(topic: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_hides_secret_settings() {
+        let c = KafkaConfig::from_url(
+            "kafka://h:9094/t?group=g&security.protocol=SASL_SSL&sasl.mechanism=PLAIN&sasl.username=u&sasl.password=s3cret",
+        )
+        .unwrap();
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("sasl.username"), "{shown}");
+    }
     use crate::error::SourceErrorKind;
     use crate::message::Message;
 
@@ -259,6 +337,13 @@ mod tests {
         let c = KafkaConfig::from_url("kafka://a:1,b:2/t?group=g&offset_reset=latest").unwrap();
         assert_eq!(c.brokers, "a:1,b:2");
         assert_eq!(c.auto_offset_reset, "latest");
+        assert_eq!(c.broker_loss, LossPolicy::Refuse);
+        assert_eq!(c.min_retention, Duration::from_secs(86_400));
+        let c = KafkaConfig::from_url("kafka://a:1/t?group=g&broker_loss=warn&min_retention=12h")
+            .unwrap();
+        assert_eq!(c.broker_loss, LossPolicy::Warn);
+        assert_eq!(c.min_retention, Duration::from_secs(12 * 3600));
+        assert!(format!("{c:?}").contains("broker_loss: Warn"));
     }
 
     #[test]
@@ -273,6 +358,8 @@ mod tests {
             "kafka://127.0.0.1:9092/payments?group=g&bogus=1",
             "kafka://127.0.0.1:9092/payments?group=g&session_timeout_ms=soon",
             "kafka://127.0.0.1:9092/payments?group=g&offset_reset=middle",
+            "kafka://127.0.0.1:9092/payments?group=g&broker_loss=ignore",
+            "kafka://127.0.0.1:9092/payments?group=g&min_retention=soon",
         ] {
             assert!(
                 matches!(KafkaConfig::from_url(url), Err(ref e) if e.kind() == SourceErrorKind::Config),

@@ -63,6 +63,21 @@
 //!   used and the engine's per-record check answers what was applied.
 //!   [`KafkaSource::counters`] counts records fetched and partitions positioned.
 //!
+//! # Loss the topic can cause
+//!
+//! Kafka deletes records by the topic's configuration whether or not a
+//! group read them: `cleanup.policy` with `compact` keeps only the latest
+//! record of each key, `retention.bytes` deletes a partition's oldest
+//! segments past a size, `retention.ms` deletes records past an age. And a
+//! consumer with `auto.offset.reset=latest` starts a partition without a
+//! committed offset at its end, skipping what was published before.
+//! [`KafkaSource::connect`] reads the topic's configuration
+//! (`DescribeConfigs`) and refuses compaction, any `retention.bytes`, a
+//! `retention.ms` under `min_retention` (default 1 day) and `latest`,
+//! naming the setting (`broker_loss=warn` logs it and runs; see
+//! [`crate::source::loss`]). A cluster that does not let the client read
+//! the topic's configuration is logged at `warn` as not checked.
+//!
 //! Message mapping: the payload is the record value; [`Message::key`] is the
 //! record key (a key that is not UTF-8 turns the delivery into a defect that
 //! the engine dead-letters); the headers are the record headers;
@@ -105,6 +120,7 @@
 mod acker;
 mod config;
 mod connection;
+mod limits;
 mod partition;
 mod poller;
 mod publisher;

@@ -18,6 +18,7 @@ use tokio::sync::Notify;
 use super::acker::{Held, KafkaAcker};
 use super::config::validate_topic;
 use super::connection::{fetch_metadata, RefusalContext};
+use super::limits;
 use super::partition::{Partition, Record, State};
 use super::poller::Poller;
 use super::publisher::{producer, Producer};
@@ -407,6 +408,17 @@ impl std::fmt::Debug for KafkaSource {
 impl KafkaSource {
     /// Joins the consumer group and subscribes to the topic. Fails if the
     /// broker cannot be reached or the topic does not exist.
+    ///
+    /// Before subscribing, reads the topic's configuration and refuses, by
+    /// default, a topic that can delete records the group never processed
+    /// (compaction, `retention.bytes`, `retention.ms` under
+    /// [`KafkaConfig::min_retention`]) and `auto.offset.reset=latest`: a
+    /// [configuration error](crate::SourceErrorKind::Config) naming each
+    /// setting and what to set instead; with
+    /// [`LossPolicy::Warn`](crate::source::loss::LossPolicy::Warn)
+    /// (`broker_loss=warn`) each is logged at `warn` and the source runs.
+    /// A configuration the cluster does not let this client read (ACLs) is
+    /// logged at `warn` as not checked.
     pub async fn connect(config: KafkaConfig) -> Result<Self, SourceError> {
         validate_topic(&config.topic).map_err(SourceError::config)?;
         if config.group.is_empty() {
@@ -458,8 +470,20 @@ impl KafkaSource {
                     "topic {topic:?} does not exist"
                 )));
             }
-            check.subscribe(&[&topic]).map_err(broker)?;
             Ok(check)
+        })
+        .await
+        .map_err(|e| SourceError::other(e.to_string()))??;
+        // Before joining the group: a topic that can lose records is refused
+        // without this member ever taking partitions from the others.
+        let described = limits::describe_topic(&config).await;
+        config
+            .broker_loss
+            .apply("Kafka", &limits::risks(&config, described.as_ref()))?;
+        let topic = config.topic.clone();
+        let consumer = tokio::task::spawn_blocking(move || {
+            consumer.subscribe(&[&topic]).map_err(broker)?;
+            Ok::<_, SourceError>(consumer)
         })
         .await
         .map_err(|e| SourceError::other(e.to_string()))??;

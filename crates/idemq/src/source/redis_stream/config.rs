@@ -3,11 +3,12 @@
 use std::time::Duration;
 
 use crate::error::SourceError;
+use crate::source::loss::LossPolicy;
 use crate::source::url::{Bare, BrokerUrl};
 
 /// Where and how to consume one stream. Build it with [`RedisStreamConfig::new`]
 /// and the public fields, or parse a URL with [`RedisStreamConfig::from_url`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisStreamConfig {
     /// The Redis URL, `redis://[user:password@]host:port[/db]`.
@@ -31,12 +32,37 @@ pub struct RedisStreamConfig {
     pub count: usize,
     /// The stream that dead-lettered entries are copied to, if any.
     pub dead_letter_stream: Option<String>,
-    /// Where a group created by this source starts: `0` (the whole stream,
-    /// default) or `$` (only new entries).
+    /// Where a group created by this source starts: `0` (every entry the
+    /// stream has, default) or `$` (only new entries).
     pub start: String,
     /// How often the group's lag is read into `idemq_source_lag_messages`
     /// (`lag_interval=`, default 5 s; zero turns it off, else at least 1 s).
+    /// The same readings look for entries removed before the group read
+    /// them; zero turns that off too.
     pub lag_interval: Duration,
+    /// What to do when connecting finds entries above the group's last
+    /// delivered id removed before the group read them
+    /// (`broker_loss=refuse|warn`, default refuse).
+    pub broker_loss: LossPolicy,
+}
+
+/// Shows the URL with its password hidden.
+impl std::fmt::Debug for RedisStreamConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStreamConfig")
+            .field("redis_url", &crate::redact::redact_url(&self.redis_url))
+            .field("stream", &self.stream)
+            .field("group", &self.group)
+            .field("consumer", &self.consumer)
+            .field("claim_idle", &self.claim_idle)
+            .field("block", &self.block)
+            .field("count", &self.count)
+            .field("dead_letter_stream", &self.dead_letter_stream)
+            .field("start", &self.start)
+            .field("lag_interval", &self.lag_interval)
+            .field("broker_loss", &self.broker_loss)
+            .finish()
+    }
 }
 
 impl RedisStreamConfig {
@@ -57,16 +83,20 @@ impl RedisStreamConfig {
             dead_letter_stream: None,
             start: "0".into(),
             lag_interval: super::lag::DEFAULT_LAG_INTERVAL,
+            broker_loss: LossPolicy::Refuse,
         }
     }
 
     /// Parses
-    /// `redis-stream://[user:password@]host:port/stream?group=NAME[&consumer=NAME][&claim_idle=30s][&block=2s][&count=10][&dead_letter_stream=NAME][&start=0|$][&lag_interval=5s][&db=N][&tls=true][&cacert=PATH][&cert=PATH&key=PATH]`.
+    /// `redis-stream://[user:password@]host:port/stream?group=NAME[&consumer=NAME][&claim_idle=30s][&block=2s][&count=10][&dead_letter_stream=NAME][&start=0|$][&lag_interval=5s][&broker_loss=refuse|warn][&db=N][&tls=true][&cacert=PATH][&cert=PATH&key=PATH]`.
     ///
     /// `tls=true` connects over TLS (as `rediss://`), verified against the
     /// system's and Mozilla's roots; `cacert` names a PEM file of the CA to
     /// verify against instead, and `cert` and `key` the PEM files of a client
     /// certificate and its key (each implies `tls`).
+    ///
+    /// `broker_loss=warn` runs a group that lost entries (removed before
+    /// it read them) with a `warn` line instead of refusing it.
     ///
     /// `group` is required. Durations take a unit (`ms`, `s`, `m`, `h`);
     /// unlike the other sources' URLs, a bare number is **milliseconds**, as
@@ -91,6 +121,7 @@ impl RedisStreamConfig {
                 "dead_letter_stream" => config.dead_letter_stream = Some(p.value),
                 "start" => config.start = p.value,
                 "lag_interval" => config.lag_interval = p.duration(Bare::Millis)?,
+                "broker_loss" => config.broker_loss = LossPolicy::parse(&p.value)?,
                 "db" => db = Some(p.count::<u32>()?),
                 "tls" => tls = p.flag()?,
                 name @ ("cacert" | "cert" | "key") => {
@@ -161,6 +192,13 @@ impl RedisStreamConfig {
         self
     }
 
+    /// Sets what to do when entries were removed before the group read
+    /// them ([`LossPolicy::Refuse`] by default).
+    pub fn broker_loss(mut self, policy: LossPolicy) -> Self {
+        self.broker_loss = policy;
+        self
+    }
+
     /// Checks names and ranges.
     pub fn validate(&self) -> Result<(), SourceError> {
         if self.stream.is_empty() {
@@ -224,6 +262,16 @@ mod tests {
     use crate::source::url::parse_duration;
 
     #[test]
+    fn debug_hides_the_password() {
+        let c =
+            RedisStreamConfig::from_url("redis-stream://app:s3cret@127.0.0.1:6379/orders?group=g")
+                .unwrap();
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("127.0.0.1:6379"), "{shown}");
+    }
+
+    #[test]
     fn parses_urls() {
         let c = RedisStreamConfig::from_url(
             "redis-stream://127.0.0.1:6379/orders?group=g&consumer=c1&claim_idle=30s&block=500&count=5&dead_letter_stream=orders-dead&start=%24&db=2",
@@ -239,6 +287,10 @@ mod tests {
         assert_eq!(c.dead_letter_stream.as_deref(), Some("orders-dead"));
         assert_eq!(c.start, "$");
         assert_eq!(c.lag_interval, Duration::from_secs(5));
+        assert_eq!(c.broker_loss, LossPolicy::Refuse);
+        let warn =
+            RedisStreamConfig::from_url("redis-stream://h/s?group=g&broker_loss=warn").unwrap();
+        assert_eq!(warn.broker_loss, LossPolicy::Warn);
         let off = RedisStreamConfig::from_url("redis-stream://h/s?group=g&lag_interval=0").unwrap();
         assert_eq!(off.lag_interval, Duration::ZERO);
         let every =
@@ -277,6 +329,7 @@ mod tests {
             "redis-stream://h/orders?group=g&dead_letter_stream=orders",
             "redis-stream://h/orders?group=g&bogus=1",
             "redis-stream://h/orders?group=g&lag_interval=500",
+            "redis-stream://h/orders?group=g&broker_loss=ignore",
         ] {
             assert!(
                 matches!(

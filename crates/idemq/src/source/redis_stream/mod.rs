@@ -16,7 +16,8 @@
 //! # How this source maps it
 //!
 //! - **Startup**: the group is created if missing (`XGROUP CREATE … MKSTREAM`,
-//!   from [`RedisStreamConfig::start`]; an existing group is kept). The
+//!   from [`RedisStreamConfig::start`]; an existing group is kept), and
+//!   checked for entries removed before it read them (below). The
 //!   source first re-reads *its own* PEL (`XREADGROUP … 0`), so a consumer
 //!   that restarts under the same name ([`RedisStreamConfig::consumer`])
 //!   gets back at once what it held when it died.
@@ -59,6 +60,39 @@
 //! group yet plus those delivered and not acknowledged yet. Redis before 7
 //! reports no `lag`, nor does Redis 7 after some deletions: those readings
 //! are skipped.
+//!
+//! # Loss the stream can cause
+//!
+//! Redis has no retention setting: producers trim (`XADD … MAXLEN|MINID`),
+//! anyone can `XTRIM` or `XDEL`, and an entry removed before the group read
+//! it is lost to it. Redis 7 reports what was removed (`XINFO STREAM`:
+//! `max-deleted-entry-id`, `entries-added`, the first entry), and the
+//! source compares it with the group's `last-delivered-id` and
+//! `entries-read`:
+//!
+//! - [`RedisStreamSource::connect`] refuses a group that lost entries it has
+//!   not read past yet, naming the ids (`broker_loss=warn` logs them and
+//!   runs; see [`crate::source::loss`]). Once read past, that loss is no
+//!   longer refused.
+//! - While running, each lag reading (`lag_interval=`; `0` turns this off
+//!   too) looks again and logs each new loss at `error`, once (the process
+//!   cannot refuse then). A trim the group reads past between two readings
+//!   shows once the group is caught up.
+//! - A group this source creates with `start=0` on a stream trimmed before
+//!   starts just below the stream's first entry: entries removed before
+//!   the group existed are no loss of it.
+//!
+//! Trim only below the group's last delivered id (`XTRIM MINID
+//! <last-delivered-id>`) and below its oldest pending entry, or not at all
+//! (a pending entry trimmed is acked with a `warn` when it is re-read or
+//! claimed). The details, and the cases the counters cannot tell, are in
+//! the source's `limits` module. Redis before 7 tells none of it:
+//! nothing is checked there.
+//!
+//! # Configuration
+//!
+//! `redis-stream://[user:password@]host:6379/STREAM?group=GROUP&consumer=NAME&claim_idle=30s&block=2s&count=10&dead_letter_stream=NAME&start=0&lag_interval=5s&broker_loss=refuse`
+//! (see [`RedisStreamConfig::from_url`]).
 //!
 //! # Entry layout
 //!
@@ -124,6 +158,7 @@ mod config;
 mod conn;
 mod entry;
 mod lag;
+mod limits;
 mod pending;
 mod publisher;
 mod registration;

@@ -16,7 +16,8 @@ use super::acker::{Held, RedisStreamAcker};
 use super::config::{default_consumer_name, RedisStreamConfig};
 use super::conn::{broker_error, connection, is_transient, millis, COMMAND_TIMEOUT};
 use super::entry::to_message;
-use super::lag::LagPoller;
+use super::lag::{read_state, LagPoller};
+use super::limits::{self, GroupState, StreamState, Watch};
 use super::pending::{keep_fresh, Ready, Shared};
 use super::reply::{parse_autoclaim, parse_read, Entry};
 use crate::error::SourceError;
@@ -212,12 +213,18 @@ impl std::fmt::Debug for RedisStreamSource {
 }
 
 impl RedisStreamSource {
-    /// Connects, and creates the group (and the stream) if missing.
+    /// Connects, and creates the group (and the stream) if missing. Fails
+    /// (a config error) when entries above the group's last delivered id
+    /// were removed before it read them, unless
+    /// [`broker_loss`](RedisStreamConfig::broker_loss) is
+    /// [`LossPolicy::Warn`](crate::source::loss::LossPolicy::Warn) (see the
+    /// [module docs](super)).
     pub async fn connect(config: RedisStreamConfig) -> Result<Self, SourceError> {
         config.validate()?;
         let conn = connection(&config.redis_url, COMMAND_TIMEOUT).await?;
         let reader_conn = connection(&config.redis_url, config.block + COMMAND_TIMEOUT).await?;
-        create_group(&conn, &config.stream, &config.group, &config.start).await?;
+        let created = create_group(&conn, &config.stream, &config.group, &config.start).await?;
+        let watch = check_losses(&conn, &config, created).await?;
         let consumer = config
             .consumer
             .clone()
@@ -239,6 +246,7 @@ impl RedisStreamSource {
             config.stream.clone(),
             config.group.clone(),
             config.lag_interval,
+            watch,
         );
         tracing::debug!(stream = %config.stream, group = %config.group, consumer = %consumer, "Redis Streams source connected");
         Ok(Self {
@@ -288,28 +296,68 @@ impl RedisStreamSource {
     }
 }
 
+/// Creates the group unless it exists, where [`limits::creation`] says
+/// (entries trimmed before it existed are not its loss); whether it created it.
 async fn create_group(
     conn: &ConnectionManager,
     stream: &str,
     group: &str,
     start: &str,
-) -> Result<(), SourceError> {
-    let created = redis::cmd("XGROUP")
+) -> Result<bool, SourceError> {
+    // No stream yet (or another error, which XGROUP CREATE reports): the
+    // group starts at `start`.
+    let state = redis::cmd("XINFO")
+        .arg("STREAM")
+        .arg(stream)
+        .query_async::<Value>(&mut conn.clone())
+        .await
+        .ok()
+        .and_then(StreamState::parse);
+    let at = limits::creation(start, state.as_ref());
+    let mut create = redis::cmd("XGROUP");
+    create
         .arg("CREATE")
         .arg(stream)
         .arg(group)
-        .arg(start)
-        .arg("MKSTREAM")
-        .query_async::<Value>(&mut conn.clone())
-        .await;
-    match created {
+        .arg(&at.id)
+        .arg("MKSTREAM");
+    if let Some(n) = at.entries_read {
+        create.arg("ENTRIESREAD").arg(n);
+    }
+    match create.query_async::<Value>(&mut conn.clone()).await {
         Ok(_) => {
-            tracing::info!(stream, group, "created the consumer group");
-            Ok(())
+            tracing::info!(stream, group, id = %at.id, "created the consumer group");
+            Ok(true)
         }
-        Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+        Err(e) if e.code() == Some("BUSYGROUP") => Ok(false),
         Err(e) => Err(broker_error(&format!("XGROUP CREATE {stream} {group}"), e)),
     }
+}
+
+/// Looks for entries removed before the group read them and applies
+/// [`RedisStreamConfig::broker_loss`] to them, unless this source just
+/// created the group (what was removed before is not its loss). What it
+/// found is where the lag poller's [`Watch`] starts; `None` before Redis 7.
+async fn check_losses(
+    conn: &ConnectionManager,
+    config: &RedisStreamConfig,
+    created: bool,
+) -> Result<Option<Watch>, SourceError> {
+    let state = read_state(&mut conn.clone(), &config.stream, &config.group).await?;
+    let (Some(stream), Some(group)) = (state.stream, GroupState::from_info(&state.group)) else {
+        tracing::debug!(stream = %config.stream, "XINFO STREAM tells no max-deleted-entry-id or entries-added (Redis before 7): removed entries are not checked");
+        return Ok(None);
+    };
+    let losses = limits::unread_losses(&stream, &group);
+    if created {
+        for loss in &losses {
+            tracing::debug!(stream = %config.stream, group = %config.group, "before the group was created: {loss}");
+        }
+    } else {
+        let risks = limits::risks(&config.stream, &config.group, &losses);
+        config.broker_loss.apply("Redis Streams", &risks)?;
+    }
+    Ok(Some(Watch::new(&stream, &group)))
 }
 
 impl Drop for RedisStreamSource {
