@@ -7,6 +7,7 @@
 //!   the source's broker accepts a connection) passes within
 //!   [`CHECK_TIMEOUT`], else 503 with the failing checks named.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -197,4 +198,79 @@ pub fn reachable(addresses: Vec<String>) -> Probe {
             Err(last)
         })
     })
+}
+
+/// Sums `idemq_messages_total` by consumer and outcome in a Prometheus text
+/// exposition; other series and malformed lines are skipped.
+pub fn outcome_totals(text: &str) -> BTreeMap<(String, String), f64> {
+    let mut totals = BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("idemq_messages_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once('}') else {
+            continue;
+        };
+        let Ok(value) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        let labels = parse_labels(labels);
+        if let (Some(consumer), Some(outcome)) = (labels.get("consumer"), labels.get("outcome")) {
+            *totals
+                .entry((consumer.clone(), outcome.clone()))
+                .or_insert(0.0) += value;
+        }
+    }
+    totals
+}
+
+/// `a="x",b="y\"z"` → {a: x, b: y"z}.
+fn parse_labels(text: &str) -> BTreeMap<String, String> {
+    let mut labels = BTreeMap::new();
+    let mut rest = text;
+    while let Some((name, after)) = rest.split_once("=\"") {
+        let mut value = String::new();
+        let mut chars = after.char_indices();
+        let mut end = after.len();
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '\\' => match chars.next() {
+                    Some((_, 'n')) => value.push('\n'),
+                    Some((_, other)) => value.push(other),
+                    None => {}
+                },
+                '"' => {
+                    end = i + 1;
+                    break;
+                }
+                c => value.push(c),
+            }
+        }
+        labels.insert(name.trim_start_matches(',').trim().to_owned(), value);
+        rest = &after[end..];
+    }
+    labels
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcome_totals_sum_series_by_consumer_and_outcome() {
+        let text = "# TYPE idemq_messages_total counter\n\
+            idemq_messages_total{consumer=\"billing\",outcome=\"processed\"} 40\n\
+            idemq_messages_total{outcome=\"duplicate\",consumer=\"billing\"} 10\n\
+            idemq_messages_total{consumer=\"a \\\"quoted\\\" name\",outcome=\"conflict\"} 2\n\
+            idemq_dead_letters_total{consumer=\"billing\",reason=\"bad_input\"} 1\n\
+            idemq_messages_total{consumer=\"billing\",outcome=\"processed\"} nonsense\n";
+        let totals = outcome_totals(text);
+        assert_eq!(totals[&("billing".into(), "processed".into())], 40.0);
+        assert_eq!(totals[&("billing".into(), "duplicate".into())], 10.0);
+        assert_eq!(
+            totals[&("a \"quoted\" name".into(), "conflict".into())],
+            2.0
+        );
+        assert_eq!(totals.len(), 3);
+    }
 }

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use idemq::store::KeyReport;
+use idemq::StoreError;
 use serde_json::json;
 
 use crate::backend::Backend;
@@ -11,19 +12,34 @@ use crate::exit;
 use crate::output::{attempts_json, cell, dead_letter_json, inbox_json, origin, time, Table};
 use crate::InspectArgs;
 
-/// Prints what the store knows about one key; exits with 3 if nothing.
-pub async fn run<B: Backend>(store: &B, args: &InspectArgs) -> Result<ExitCode> {
+/// Everything the store knows about one key: `idemq inspect` and the
+/// console's key lookup.
+pub(crate) struct KeyStory {
+    /// The inbox row, lease, attempts and dead letters.
+    pub report: KeyReport,
+    /// The effect journal's steps: external calls made for the key (they
+    /// may exist without an inbox row when the transaction after them did
+    /// not commit).
+    pub effects: Vec<(String, serde_json::Value)>,
+    /// Whether the store knows anything about the key.
+    pub found: bool,
+}
+
+/// Reads a [`KeyStory`]; the error says what was being read.
+pub(crate) async fn story<B: Backend>(
+    store: &B,
+    consumer: &str,
+    key: &str,
+) -> Result<KeyStory, (StoreError, &'static str)> {
     let report = store
-        .inspect(&args.consumer, &args.key)
+        .inspect(consumer, key)
         .await
-        .map_err(|e| super::admin_error(e, "inspecting the key"))?;
-    // The effect journal: external calls made for the key (they may exist
-    // without an inbox row when the transaction after them did not commit).
+        .map_err(|e| (e, "inspecting the key"))?;
     let effects = match store.journal() {
         Some(journal) => journal
-            .steps(&args.consumer, &args.key)
+            .steps(consumer, key)
             .await
-            .map_err(|e| super::admin_error(e, "reading the effect journal"))?,
+            .map_err(|e| (e, "reading the effect journal"))?,
         None => Vec::new(),
     };
     let found = report.inbox.is_some()
@@ -31,6 +47,22 @@ pub async fn run<B: Backend>(store: &B, args: &InspectArgs) -> Result<ExitCode> 
         || report.attempts.is_some()
         || !report.dead_letters.is_empty()
         || !effects.is_empty();
+    Ok(KeyStory {
+        report,
+        effects,
+        found,
+    })
+}
+
+/// Prints what the store knows about one key; exits with 3 if nothing.
+pub async fn run<B: Backend>(store: &B, args: &InspectArgs) -> Result<ExitCode> {
+    let KeyStory {
+        report,
+        effects,
+        found,
+    } = story(store, &args.consumer, &args.key)
+        .await
+        .map_err(|(e, doing)| super::admin_error(e, doing))?;
     if args.json {
         println!(
             "{}",

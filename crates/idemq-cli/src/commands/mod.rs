@@ -5,7 +5,7 @@ pub(crate) mod config;
 mod consume;
 pub(crate) mod dlq;
 pub(crate) mod generate;
-mod inspect;
+pub(crate) mod inspect;
 mod migrate;
 mod produce;
 mod prune;

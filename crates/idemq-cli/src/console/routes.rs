@@ -18,6 +18,7 @@ use super::views::{self, Actions, Chrome, ConsumerRow, Group, ScrapeStatus};
 use super::{Console, ReplayJob, Settled};
 use crate::backend::Backend;
 use crate::commands::dlq::collect;
+use crate::commands::inspect::{story, KeyStory};
 
 /// Letters shown per page of `/letters`.
 const PAGE: u32 = 100;
@@ -287,22 +288,14 @@ async fn lookup<B: Backend + Clone>(
             views::lookup(&consumers, &q.consumer, "", None),
         );
     }
-    let report = match console.store.inspect(&q.consumer, &q.key).await {
-        Ok(report) => report,
-        Err(e) => return store_failed(&console, "inspecting the key", e),
+    let KeyStory {
+        report,
+        effects,
+        found,
+    } = match story(console.store.as_ref(), &q.consumer, &q.key).await {
+        Ok(story) => story,
+        Err((e, doing)) => return store_failed(&console, doing, e),
     };
-    let effects = match console.store.journal() {
-        Some(journal) => match journal.steps(&q.consumer, &q.key).await {
-            Ok(steps) => steps,
-            Err(e) => return store_failed(&console, "reading the effect journal", e),
-        },
-        None => Vec::new(),
-    };
-    let found = report.inbox.is_some()
-        || report.in_flight
-        || report.attempts.is_some()
-        || !report.dead_letters.is_empty()
-        || !effects.is_empty();
     let body = views::lookup(
         &consumers,
         &q.consumer,

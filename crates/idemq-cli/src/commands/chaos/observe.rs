@@ -53,14 +53,13 @@ pub(super) async fn get(port: u16, path: &str, limit: Duration) -> Option<(u16, 
 /// `idemq_messages_total{consumer="…",outcome="…"}` of `consumer` in a
 /// `/metrics` text, by outcome (absent series count 0).
 pub(super) fn scraped(metrics: &str, consumer: &str) -> Counts {
+    let totals = crate::ops::outcome_totals(metrics);
     OUTCOMES
         .iter()
         .map(|&outcome| {
-            let series =
-                format!("idemq_messages_total{{consumer=\"{consumer}\",outcome=\"{outcome}\"}} ");
-            let n = metrics
-                .lines()
-                .find_map(|line| line.strip_prefix(&series)?.trim().parse::<f64>().ok())
+            let n = totals
+                .get(&(consumer.to_owned(), outcome.to_owned()))
+                .copied()
                 .unwrap_or(0.0);
             (outcome, n as u64)
         })
