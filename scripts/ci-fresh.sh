@@ -22,7 +22,8 @@ pkill -9 -f 'kafka.Kafka|NamesrvStartup|BrokerStartup|moto_server|mariadbd|redis
 pkill -9 -x postgres 2>/dev/null
 sleep 2
 DEBIAN_FRONTEND=noninteractive apt-get purge -y -q mariadb-server mariadb-client mariadb-common \
-  redis-server redis-tools rabbitmq-server mosquitto nats-server libcurl4-openssl-dev >/tmp/ci-fresh-purge.log 2>&1
+  redis-server redis-tools rabbitmq-server mosquitto nats-server libcurl4-openssl-dev \
+  chromium chromium-driver >/tmp/ci-fresh-purge.log 2>&1
 DEBIAN_FRONTEND=noninteractive apt-get autoremove --purge -y -q >>/tmp/ci-fresh-purge.log 2>&1
 rm -rf /var/lib/apt/lists/* "$IDEMQ_TOOLS" "$HOME/.m2" /var/lib/mysql /var/lib/rabbitmq \
   /var/lib/redis /var/lib/mosquitto /var/lib/postgresql/idemq /var/lib/idemq-mariadb-tls \
