@@ -4,7 +4,8 @@
 //! SQS's own: poison in the dead-letter queue with its reason attribute, a
 //! lost delete redelivered after the visibility timeout, retries through a
 //! visibility change, a handler slower than the visibility timeout, the
-//! order and concurrency of FIFO message groups, and the attribute limit. A
+//! order and concurrency of FIFO message groups, the attribute limit, and
+//! queues whose retention or redrive policy can take messages away. A
 //! consumer killed mid-handler and competing consumers are in
 //! `conformance.rs`.
 #![cfg(all(feature = "sqs", feature = "postgres"))]
@@ -16,8 +17,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use aws_sdk_sqs::types::QueueAttributeName;
+use idemq::source::loss::LossPolicy;
 use idemq::source::sqs::{SqsConfig, SqsPublisher, SqsSource, REASON_ATTRIBUTE};
-use idemq::source::Publisher;
+use idemq::source::{Publisher, Source};
 use idemq::DeadLetterReason;
 use idemq::{Message, OutcomeKind, SourceErrorKind};
 use support::{
@@ -299,4 +302,100 @@ async fn publishing_more_than_ten_attributes_is_refused() {
         SqsSource::connect(SqsConfig::new(support::unique("missing")).endpoint(endpoint())).await,
         Err(ref e) if e.kind() == SourceErrorKind::Broker
     ));
+}
+
+/// Creates the queue `name` with these attributes, straight through the SDK.
+async fn create_with(name: &str, attributes: &[(QueueAttributeName, String)]) -> String {
+    let client = config(name).client().await.unwrap();
+    let mut request = client.create_queue().queue_name(name);
+    for (attribute, value) in attributes {
+        request = request.attributes(attribute.clone(), value);
+    }
+    let out = request.send().await.unwrap();
+    let url = out.queue_url().unwrap().to_owned();
+    let arn = client
+        .get_queue_attributes()
+        .queue_url(&url)
+        .attribute_names(QueueAttributeName::QueueArn)
+        .send()
+        .await
+        .unwrap();
+    arn.attributes()
+        .and_then(|a| a.get(&QueueAttributeName::QueueArn))
+        .unwrap()
+        .clone()
+}
+
+/// Connecting to `queue` fails with a configuration error naming `setting`.
+async fn assert_refused(config: SqsConfig, queue: &str, setting: &str) {
+    let err = SqsSource::connect(config).await.unwrap_err();
+    assert_eq!(err.kind(), SourceErrorKind::Config, "{err}");
+    let text = err.to_string();
+    assert!(text.contains(&format!("queue {queue}")), "{text}");
+    assert!(text.contains(setting), "{text}");
+    assert!(text.contains("broker_loss=warn"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retention_shorter_than_min_retention_is_refused_and_deletes_unreceived_messages() {
+    let queue = support::unique("short_retention");
+    create_with(
+        &queue,
+        &[(QueueAttributeName::MessageRetentionPeriod, "60".into())],
+    )
+    .await;
+    let config = config(&queue).create_queue(false);
+    assert_refused(config.clone(), &queue, "MessageRetentionPeriod=60").await;
+    // A min_retention the queue meets, or none, passes.
+    SqsSource::connect(config.clone().min_retention(Duration::from_secs(60)))
+        .await
+        .unwrap();
+    SqsSource::connect(config.clone().min_retention(Duration::ZERO))
+        .await
+        .unwrap();
+
+    // Run anyway: what the check is about. moto enforces the retention
+    // period on receive (a message older than it is never returned), as
+    // SQS deletes it: p-0, published before a 62 s wait, is gone; p-1,
+    // published after, arrives.
+    let warned = config.broker_loss(LossPolicy::Warn);
+    let (messages, _) = payments(2, serde_json::json!({}));
+    publish(&warned, &messages[..1]).await;
+    tokio::time::sleep(Duration::from_secs(62)).await;
+    publish(&warned, &messages[1..]).await;
+    let mut source = SqsSource::connect(warned).await.unwrap();
+    let got = support::receive(&mut source, 1).await;
+    assert_eq!(got[0].key.as_deref(), Some("p-1"));
+    let more = tokio::time::timeout(Duration::from_secs(5), source.next()).await;
+    assert!(
+        more.is_err(),
+        "a message older than the retention period was delivered"
+    );
+}
+
+#[tokio::test]
+async fn a_redrive_policy_below_the_retry_attempts_is_refused() {
+    let redrive = support::unique("redrive_target");
+    let arn = create_with(&redrive, &[]).await;
+    let queue = support::unique("redrive");
+    let policy = serde_json::json!({ "deadLetterTargetArn": arn, "maxReceiveCount": "1" });
+    create_with(
+        &queue,
+        &[(QueueAttributeName::RedrivePolicy, policy.to_string())],
+    )
+    .await;
+    let refused = config(&queue).create_queue(false);
+    assert_refused(
+        refused.clone(),
+        &queue,
+        &format!("RedrivePolicy maxReceiveCount=1 to queue {redrive}"),
+    )
+    .await;
+    SqsSource::connect(refused.broker_loss(LossPolicy::Warn))
+        .await
+        .unwrap();
+    // A queue the source creates has SQS's defaults: no risk.
+    SqsSource::connect(config(&support::unique("created")))
+        .await
+        .unwrap();
 }

@@ -16,6 +16,7 @@ const CHAIN_VARIABLES: [&str; 6] = [
 ];
 
 use crate::error::SourceError;
+use crate::source::loss::LossPolicy;
 use crate::source::url::{Bare, BrokerUrl};
 
 /// The longest visibility timeout or delay SQS accepts, in seconds (12 hours).
@@ -56,6 +57,14 @@ pub struct SqsConfig {
     /// How often the queue's backlog is read into `idemq_source_lag_messages`
     /// (`lag_interval=`, default 5 s; zero turns it off, else at least 1 s).
     pub lag_interval: Duration,
+    /// What to do when the queue's attributes can drop or move messages
+    /// before they are processed (`broker_loss=refuse|warn`, default refuse;
+    /// see [`LossPolicy`]).
+    pub broker_loss: LossPolicy,
+    /// The shortest `MessageRetentionPeriod` that is no risk
+    /// (`min_retention=` in the URL, a duration such as `12h` or `7d`;
+    /// default 1 day; zero turns the check off).
+    pub min_retention: Duration,
     credentials: Option<(String, String)>,
 }
 
@@ -72,6 +81,8 @@ impl std::fmt::Debug for SqsConfig {
             .field("dead_letter_queue", &self.dead_letter_queue)
             .field("create_queue", &self.create_queue)
             .field("lag_interval", &self.lag_interval)
+            .field("broker_loss", &self.broker_loss)
+            .field("min_retention", &self.min_retention)
             .field("credentials", &self.credentials.as_ref().map(|_| "<set>"))
             .finish()
     }
@@ -81,7 +92,8 @@ impl SqsConfig {
     /// Defaults for `queue`: the region from `AWS_REGION` or
     /// `AWS_DEFAULT_REGION` (else the profile's, else `us-east-1`), AWS's own endpoint, a 30 s
     /// visibility timeout, 20 s long polls, 10 messages per receive, no
-    /// dead-letter queue, queues not created, the backlog read every 5 s.
+    /// dead-letter queue, queues not created, the backlog read every 5 s,
+    /// a queue that can lose messages refused, retention of at least 1 day.
     pub fn new(queue: impl Into<String>) -> Self {
         let region = std::env::var("AWS_REGION")
             .or_else(|_| std::env::var("AWS_DEFAULT_REGION"))
@@ -100,14 +112,19 @@ impl SqsConfig {
             dead_letter_queue: None,
             create_queue: false,
             lag_interval: super::lag::DEFAULT_LAG_INTERVAL,
+            broker_loss: LossPolicy::Refuse,
+            min_retention: Duration::from_secs(86_400),
             credentials: None,
         }
     }
 
-    /// Parses `sqs://queue-name?endpoint=…&region=…&profile=…&visibility=30&wait=20&dlq=name&create=true&batch=10&lag_interval=5s`.
+    /// Parses `sqs://queue-name?endpoint=…&region=…&profile=…&visibility=30&wait=20&dlq=name&create=true&batch=10&lag_interval=5s&broker_loss=refuse&min_retention=1d`.
     ///
     /// Every parameter is optional. `lag_interval` is how often the queue's
-    /// backlog is read (`0` turns it off). `visibility`, `wait` and
+    /// backlog is read (`0` turns it off). `broker_loss` is `refuse` (the
+    /// default) or `warn` (log the queue's risks of loss and run);
+    /// `min_retention` is the shortest `MessageRetentionPeriod` that is no
+    /// risk (a duration, default `1d`; `0` turns the check off). `visibility`, `wait` and
     /// `lag_interval` are durations
     /// (`30`, `30s`, `1m`; a bare number is seconds) that must come to whole
     /// seconds. Values may be percent-encoded. Unknown parameters and
@@ -132,6 +149,8 @@ impl SqsConfig {
                 "dlq" => config.dead_letter_queue = p.non_empty(),
                 "create" => config.create_queue = p.flag()?,
                 "lag_interval" => config.lag_interval = p.duration(Bare::Seconds)?,
+                "broker_loss" => config.broker_loss = LossPolicy::parse(&p.value)?,
+                "min_retention" => config.min_retention = p.duration(Bare::Seconds)?,
                 _ => return Err(p.unknown()),
             }
         }
@@ -186,6 +205,20 @@ impl SqsConfig {
     /// Sets how often the queue's backlog is read (zero: never).
     pub fn lag_interval(mut self, every: Duration) -> Self {
         self.lag_interval = every;
+        self
+    }
+
+    /// Sets what to do when the queue can lose messages
+    /// ([`SqsConfig::broker_loss`]).
+    pub fn broker_loss(mut self, policy: LossPolicy) -> Self {
+        self.broker_loss = policy;
+        self
+    }
+
+    /// Sets the shortest `MessageRetentionPeriod` that is no risk
+    /// ([`SqsConfig::min_retention`]; zero: not checked).
+    pub fn min_retention(mut self, retention: Duration) -> Self {
+        self.min_retention = retention;
         self
     }
 
@@ -381,6 +414,18 @@ mod tests {
         assert_eq!(c.endpoint.as_deref(), Some("http://localhost:4566"));
         assert_eq!(c.visibility, Duration::from_secs(30));
         assert!(!c.create_queue);
+        assert_eq!(c.broker_loss, LossPolicy::Refuse);
+        assert_eq!(c.min_retention, Duration::from_secs(86_400));
+        let c = SqsConfig::from_url("sqs://orders?broker_loss=warn&min_retention=12h").unwrap();
+        assert_eq!(c.broker_loss, LossPolicy::Warn);
+        assert_eq!(c.min_retention, Duration::from_secs(12 * 3600));
+        let text = format!("{c:?}");
+        assert!(text.contains("broker_loss: Warn"), "{text}");
+        assert!(text.contains("min_retention: 43200s"), "{text}");
+        let off = SqsConfig::from_url("sqs://orders?min_retention=0").unwrap();
+        assert_eq!(off.min_retention, Duration::ZERO);
+        let secret = SqsConfig::new("orders").credentials("id", "hush");
+        assert!(!format!("{secret:?}").contains("hush"));
     }
 
     #[test]
@@ -399,6 +444,8 @@ mod tests {
             "sqs://orders.fifo?dlq=dead",
             "sqs://orders?visibility=abc",
             "sqs://orders?lag_interval=200ms",
+            "sqs://orders?broker_loss=ignore",
+            "sqs://orders?min_retention=soon",
         ] {
             assert!(
                 matches!(SqsConfig::from_url(url), Err(ref e) if e.kind() == SourceErrorKind::Config),

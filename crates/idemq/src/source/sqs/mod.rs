@@ -59,9 +59,18 @@
 //! deleted yet). Both are approximate, and not read at one instant: a
 //! message received meanwhile can count twice.
 //!
+//! # Loss the broker causes
+//!
+//! At connect the source reads the queue's `MessageRetentionPeriod` and
+//! `RedrivePolicy` and refuses, by default, a retention under
+//! `min_retention` (default 1 day; `0` turns the check off) and a redrive
+//! policy whose `maxReceiveCount` is not above idemq's default retry
+//! attempts (5), naming each (`broker_loss=warn` logs them and runs;
+//! attributes that cannot be read are logged at `warn` as not checked).
+//!
 //! # Configuration and credentials
 //!
-//! `sqs://queue-name?endpoint=http://127.0.0.1:5000&region=us-east-1&visibility=30&wait=20&dlq=queue-dead&create=true&batch=10&lag_interval=5s`
+//! `sqs://queue-name?endpoint=http://127.0.0.1:5000&region=us-east-1&visibility=30&wait=20&dlq=queue-dead&create=true&batch=10&lag_interval=5s&broker_loss=refuse&min_retention=1d`
 //! (see [`SqsConfig::from_url`]). Credentials come from
 //! [`SqsConfig::credentials`], else from the AWS SDK's standard chain
 //! (`aws-config`): the environment (`AWS_ACCESS_KEY_ID` /
@@ -118,6 +127,7 @@
 mod acker;
 mod config;
 mod lag;
+mod limits;
 mod mapping;
 mod publisher;
 mod queue;

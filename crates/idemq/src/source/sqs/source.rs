@@ -11,6 +11,7 @@ use tokio::task::JoinHandle;
 use super::acker::SqsAcker;
 use super::config::{SqsConfig, MAX_WAIT_SECS};
 use super::lag::LagPoller;
+use super::limits;
 use super::mapping::to_message;
 use super::queue::{broker_error, resolve_queue};
 use super::shared::{release_now, Lease, Received, Shared};
@@ -80,9 +81,26 @@ impl std::fmt::Debug for SqsSource {
 impl SqsSource {
     /// Resolves the queue (and the dead-letter queue) URLs, creating the
     /// queues first if [`SqsConfig::create_queue`] is set.
+    ///
+    /// Before receiving, reads the queue's `MessageRetentionPeriod` and
+    /// `RedrivePolicy` (`GetQueueAttributes`) and refuses, by default, a
+    /// queue that can delete or move messages before they are processed: a
+    /// retention under [`SqsConfig::min_retention`], a redrive policy whose
+    /// `maxReceiveCount` is not above idemq's default retry attempts — a
+    /// [configuration error](crate::SourceErrorKind::Config) naming each
+    /// attribute and what to set instead; with
+    /// [`LossPolicy::Warn`](crate::source::loss::LossPolicy::Warn)
+    /// (`broker_loss=warn`) each is logged at `warn` and the source runs.
+    /// Attributes that cannot be read are logged at `warn` as not checked.
     pub async fn connect(config: SqsConfig) -> Result<Self, SourceError> {
         let client = config.client().await?;
         let queue = resolve_queue(&client, &config.queue, config.create_queue).await?;
+        if let Some(attributes) = limits::read_attributes(&client, &queue).await {
+            config.broker_loss.apply(
+                "SQS",
+                &limits::risks(&queue.name, &attributes, config.min_retention),
+            )?;
+        }
         let dead_letter = match &config.dead_letter_queue {
             Some(name) => Some(resolve_queue(&client, name, config.create_queue).await?),
             None => None,
