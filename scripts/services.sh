@@ -11,7 +11,8 @@
 #   redis      Redis      :6379, nothing kept on disk; TLS on :6380 with a
 #              local certificate ($IDEMQ_TOOLS/redis/root.crt)
 #   rabbitmq   RabbitMQ   :5672, guest/guest; TLS on :5671 with a local
-#              certificate ($IDEMQ_TOOLS/rabbitmq/root.crt)
+#              certificate ($IDEMQ_TOOLS/rabbitmq/root.crt); the management
+#              HTTP API on :15672 (the source reads queue policies there)
 #   mosquitto  Mosquitto  :1883, anonymous; a local certificate for the TLS
 #              brokers the tests start ($IDEMQ_TOOLS/mosquitto/root.crt)
 #   nats       NATS       :4222 with JetStream; a local certificate for the
@@ -196,6 +197,7 @@ RB_LOG="$RB_RUN/rabbitmq.log"
 RB_TLS=/var/lib/rabbitmq/idemq-tls
 rb_answers() { port_open 127.0.0.1 5672; }
 rb_tls_answers() { port_open 127.0.0.1 5671; }
+rb_management_answers() { port_open 127.0.0.1 15672; }
 start_rabbitmq() {
   mkdir -p "$RB_RUN"
   # TLS on 5671 (amqps://; a client that verifies uses $RB_RUN/root.crt); a
@@ -208,9 +210,17 @@ start_rabbitmq() {
   local conf=/etc/rabbitmq/rabbitmq.conf
   mkdir -p /etc/rabbitmq
   local reconfigured=false
-  if ! grep -q '^# idemq test service v2' "$conf" 2>/dev/null; then
+  # The management plugin: its HTTP API is where a queue's policies (and so
+  # its effective max-length, message-ttl, delivery-limit) can be read.
+  if ! grep -q 'rabbitmq_management' /etc/rabbitmq/enabled_plugins 2>/dev/null; then
+    echo '[rabbitmq_management].' >/etc/rabbitmq/enabled_plugins
+    reconfigured=true
+  fi
+  if ! grep -q '^# idemq test service v3' "$conf" 2>/dev/null; then
     cat >"$conf" <<CONF
-# idemq test service v2 (scripts/services.sh)
+# idemq test service v3 (scripts/services.sh)
+management.tcp.ip = 127.0.0.1
+management.tcp.port = 15672
 listeners.ssl.default = 127.0.0.1:5671
 ssl_options.cacertfile = $RB_TLS/ca.crt
 ssl_options.certfile = $RB_TLS/server.crt
@@ -222,8 +232,8 @@ CONF
   fi
   if rb_answers >/dev/null 2>&1; then
     rb_tls_answers >/dev/null 2>&1 && [ "$reconfigured" = false ] && return 0
-    # Started with an older TLS configuration (or none): restart it.
-    echo "services: restarting RabbitMQ with its TLS configuration"
+    # Started with an older configuration: restart it.
+    echo "services: restarting RabbitMQ with its TLS and management configuration"
     rabbitmqctl stop >/dev/null 2>&1 || true
     local waited=0
     while { rb_answers >/dev/null 2>&1 || pid_alive "$RB_PID"; } && [ "$waited" -lt 60 ]; do
@@ -248,7 +258,7 @@ CONF
     env HOME=/var/lib/rabbitmq ERL_EPMD_ADDRESS=127.0.0.1 \
     sh -c 'cd /var/lib/rabbitmq && exec /usr/lib/rabbitmq/bin/rabbitmq-server'
 }
-rb_both_answer() { rb_answers && rb_tls_answers; }
+rb_both_answer() { rb_answers && rb_tls_answers && rb_management_answers; }
 ready_rabbitmq() { wait_until RabbitMQ 120 "$RB_PID" "$RB_LOG" rb_both_answer; }
 
 # ---- Mosquitto ------------------------------------------------------------

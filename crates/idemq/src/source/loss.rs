@@ -9,8 +9,15 @@
 //! `docs/operations.md`, with the recommended value.
 
 use std::fmt;
+use std::time::Duration;
 
 use crate::error::SourceError;
+
+/// The shortest retention a source accepts by default (`min_retention=`):
+/// a message the broker deletes after less than a day (Kafka `retention.ms`,
+/// SQS `MessageRetentionPeriod`, RabbitMQ `message-ttl` and `expires`) is
+/// lost to a consumer stopped over a weekend's first night.
+pub const DEFAULT_MIN_RETENTION: Duration = Duration::from_secs(86_400);
 
 /// A broker setting that can drop an unprocessed message.
 #[derive(Debug, Clone, PartialEq, Eq)]

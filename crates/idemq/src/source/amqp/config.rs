@@ -9,7 +9,9 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
 use lapin::{Connect, Connection, ConnectionProperties};
 
+use super::management::ManagementApi;
 use crate::error::SourceError;
+use crate::source::loss::{LossPolicy, DEFAULT_MIN_RETENTION};
 use crate::source::url::{Bare, BrokerUrl};
 
 /// Longest queue name accepted, so that the derived names stay under AMQP's 255 bytes.
@@ -57,6 +59,15 @@ pub struct AmqpConfig {
     /// How often the queue depth is read into `idemq_source_lag_messages`
     /// (`lag_interval=`, default 5 s; zero: never).
     pub(super) lag_interval: Duration,
+    /// Where the queue's arguments and policies are read
+    /// (`management_url=`; see [`super::management`]).
+    pub(super) management: ManagementApi,
+    /// What the source does when a queue's settings can drop messages
+    /// (`broker_loss=refuse|warn`, default refuse).
+    pub(super) broker_loss: LossPolicy,
+    /// The shortest `message-ttl` and `expires` that are no risk
+    /// (`min_retention=`, default 1 day; `0` turns those checks off).
+    pub(super) min_retention: Duration,
 }
 
 impl fmt::Debug for AmqpConfig {
@@ -74,6 +85,9 @@ impl fmt::Debug for AmqpConfig {
             .field("prefetch", &self.prefetch)
             .field("queue_type", &self.queue_type)
             .field("lag_interval", &self.lag_interval)
+            .field("management", &self.management)
+            .field("broker_loss", &self.broker_loss)
+            .field("min_retention", &self.min_retention)
             .finish_non_exhaustive()
     }
 }
@@ -86,6 +100,14 @@ impl AmqpConfig {
     /// (how often the queue depth is read; `0` turns it off, else at least
     /// 1 s; a bare number is seconds) to 5 s; `queue` is required. Unknown
     /// parameters are an error.
+    ///
+    /// When the source connects, it reads the work queue's and the
+    /// dead-letter queue's arguments and policies from RabbitMQ's management
+    /// API (`management_url=URL|off`, by default the AMQP host on port
+    /// 15672, or 15671 over TLS) and refuses to start when one can drop a
+    /// message before it is processed (`broker_loss=warn` logs it and runs;
+    /// `min_retention=`, default `1d`, is the shortest `message-ttl` and
+    /// queue `expires` that is no risk). See [`crate::source::loss`].
     ///
     /// `amqps://` connects over TLS (port 5671 by default), verifying the
     /// broker against Mozilla's roots or the CA file in `cacert=PATH`, and
@@ -110,6 +132,9 @@ impl AmqpConfig {
         let mut prefetch = 32u16;
         let mut queue_type = QueueType::Classic;
         let mut lag_interval = super::lag::DEFAULT_LAG_INTERVAL;
+        let mut management = ManagementApi::Derived;
+        let mut broker_loss = LossPolicy::Refuse;
+        let mut min_retention = DEFAULT_MIN_RETENTION;
         let mut conn = AMQPQueryString::default();
         let mut ca_file = None;
         let (mut cert, mut key) = (None, None);
@@ -134,6 +159,9 @@ impl AmqpConfig {
                         return Err(p.error("lag_interval must be 0 (off) or at least 1s"));
                     }
                 }
+                "management_url" => management = ManagementApi::parse(&p.value)?,
+                "broker_loss" => broker_loss = LossPolicy::parse(&p.value)?,
+                "min_retention" => min_retention = p.duration(Bare::Seconds)?,
                 "heartbeat" => conn.heartbeat = Some(p.count()?),
                 "connection_timeout" => conn.connection_timeout = Some(p.count()?),
                 "frame_max" => conn.frame_max = Some(p.count()?),
@@ -171,6 +199,9 @@ impl AmqpConfig {
             ca_file,
             client_cert,
             lag_interval,
+            management,
+            broker_loss,
+            min_retention,
         }
         .queue(queue)
     }
@@ -204,6 +235,36 @@ impl AmqpConfig {
     pub fn lag_interval(mut self, every: Duration) -> Self {
         self.lag_interval = every;
         self
+    }
+
+    /// What the source does when a queue's arguments or policies can drop
+    /// a message before it is processed ([`LossPolicy::Refuse`] by default).
+    pub fn broker_loss(mut self, policy: LossPolicy) -> Self {
+        self.broker_loss = policy;
+        self
+    }
+
+    /// The shortest `message-ttl` and queue `expires` that are no risk
+    /// (default 1 day; zero turns those two checks off).
+    pub fn min_retention(mut self, retention: Duration) -> Self {
+        self.min_retention = retention;
+        self
+    }
+
+    /// Reads the queues' arguments and policies from the management API at
+    /// `url` (`http(s)://host:port`, no credentials: the AMQP user's are
+    /// used), or not at all with `None`.
+    pub fn management_url(mut self, url: Option<&str>) -> Result<Self, SourceError> {
+        self.management = match url {
+            Some(url) => ManagementApi::parse(url)?,
+            None => ManagementApi::Off,
+        };
+        Ok(self)
+    }
+
+    /// Whether the connection uses TLS (`amqps://`).
+    pub(super) fn is_tls(&self) -> bool {
+        self.uri.scheme == AMQPScheme::AMQPS
     }
 
     /// How often the queue depth is read (zero: never).

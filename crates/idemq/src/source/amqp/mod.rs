@@ -71,9 +71,22 @@
 //! delivered and not acknowledged yet (at most the prefetch) are not
 //! counted: AMQP does not tell them.
 //!
+//! ## Loss the queue can cause
+//!
+//! When it connects, the source reads the work queue's and the dead-letter
+//! queue's `x-` arguments and the policies that apply to them from
+//! RabbitMQ's management API (AMQP tells a client neither) and refuses to
+//! start on a setting that drops messages no consumer processed: a length
+//! limit with `overflow: drop-head`, a `message-ttl` or `expires` under
+//! `min_retention` (default 1 day), a `delivery-limit` not above idemq's
+//! default retry attempts. `broker_loss=warn` logs them and runs;
+//! `management_url=` says where the API is (default: the AMQP host on port
+//! 15672, 15671 over TLS; `off` skips the check). See
+//! [`crate::source::loss`].
+//!
 //! ## URL
 //!
-//! `amqp://user:pass@host:port/vhost?queue=NAME[&prefetch=N][&queue_type=classic|quorum][&lag_interval=5s]`,
+//! `amqp://user:pass@host:port/vhost?queue=NAME[&prefetch=N][&queue_type=classic|quorum][&lag_interval=5s][&management_url=URL|off][&broker_loss=refuse|warn][&min_retention=1d]`,
 //! with the vhost percent-encoded (`%2f` is `/`, the default when the path
 //! is empty). `heartbeat`, `connection_timeout`, `frame_max` and
 //! `channel_max` are passed to the connection.
@@ -106,6 +119,8 @@ mod channel;
 mod config;
 mod headers;
 mod lag;
+mod limits;
+mod management;
 mod publisher;
 mod registration;
 mod source;

@@ -78,6 +78,7 @@ impl AmqpSource {
             .await
             .map_err(broker("enabling publisher confirms"))?;
         config.declare(&publish).await?;
+        check_loss(&config).await?;
         let channel = connection
             .create_channel()
             .await
@@ -176,6 +177,19 @@ impl AmqpSource {
             None => delivery,
         }
     }
+}
+
+/// Reads the work queue's and the dead-letter queue's arguments and
+/// policies from the management API and applies `broker_loss=` to what can
+/// drop a message there ([`super::limits`]).
+async fn check_loss(config: &AmqpConfig) -> Result<(), SourceError> {
+    let mut risks = Vec::new();
+    for queue in [config.queue.clone(), config.dead_letter_queue()] {
+        if let Some(settings) = super::management::read(config, &queue).await {
+            risks.extend(super::limits::risks(&settings, config.min_retention));
+        }
+    }
+    config.broker_loss.apply("RabbitMQ", &risks)
 }
 
 /// Starts reading the queue depth on a channel of its own, unless

@@ -116,7 +116,7 @@ impl KafkaConfig {
             max_buffered: 1000,
             create_partitions: None,
             broker_loss: LossPolicy::Refuse,
-            min_retention: Duration::from_secs(86_400),
+            min_retention: crate::source::loss::DEFAULT_MIN_RETENTION,
             settings: Vec::new(),
         }
     }

@@ -113,7 +113,7 @@ impl SqsConfig {
             create_queue: false,
             lag_interval: super::lag::DEFAULT_LAG_INTERVAL,
             broker_loss: LossPolicy::Refuse,
-            min_retention: Duration::from_secs(86_400),
+            min_retention: crate::source::loss::DEFAULT_MIN_RETENTION,
             credentials: None,
         }
     }
