@@ -227,7 +227,7 @@ async fn retries_then_dead_letter() {
         .unwrap();
     // Record what each delivery looked like, through a thin source wrapper.
     let source = Recording {
-        inner: source(config(&topic, &group).max_reconsume_times(5)).await,
+        inner: source(config(&topic, &group).max_reconsume_times(6)).await,
         counts: Arc::clone(&counts),
     };
     let expected = BTreeMap::from([

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::error::SourceError;
+use crate::source::loss::LossPolicy;
 use crate::source::url::{Bare, BrokerUrl};
 
 /// Where a group without a consumer offset starts.
@@ -82,6 +83,11 @@ pub struct RocketMqConfig {
     /// How often the consumer's lag is read into `idemq_source_lag_messages`
     /// (`lag_interval=`, default 5 s; zero turns it off, else at least 1 s).
     pub lag_interval: Duration,
+    /// What the source does when its settings can take a message away
+    /// before it is processed (`broker_loss=refuse|warn`, default refuse;
+    /// see `limits.rs`: a `max_reconsume_times` not above the default
+    /// retry attempts, `start_from=latest`).
+    pub broker_loss: LossPolicy,
 }
 
 impl RocketMqConfig {
@@ -103,6 +109,7 @@ impl RocketMqConfig {
             dead_letter_topic: None,
             credentials: None,
             lag_interval: super::lag::DEFAULT_LAG_INTERVAL,
+            broker_loss: LossPolicy::Refuse,
         }
     }
 
@@ -114,9 +121,12 @@ impl RocketMqConfig {
     /// `consume_threads`, `max_reconsume_times`, `consume_timeout` (a bare
     /// number is seconds; `consume_timeout_ms`, a bare number of
     /// milliseconds, is the older spelling), `start_from` (`earliest` or
-    /// `latest`), `dead_letter_topic` and `lag_interval` (how often the
-    /// consumer's lag is read, default 5 s; `0` turns it off). Name servers
-    /// may also be separated by commas.
+    /// `latest`), `dead_letter_topic`, `lag_interval` (how often the
+    /// consumer's lag is read, default 5 s; `0` turns it off) and
+    /// `broker_loss` (`refuse`, the default, or `warn`: what the source does
+    /// when `max_reconsume_times` is not above idemq's default retry
+    /// attempts or `start_from` is `latest`). Name servers may also be
+    /// separated by commas.
     ///
     /// A cluster with authentication (ACL): the access key and secret key
     /// as the URL's user and password,
@@ -177,6 +187,7 @@ impl RocketMqConfig {
                         .map_err(|why| p.error(why))?;
                     config.dead_letter_topic = Some(p.value.clone());
                 }
+                "broker_loss" => config.broker_loss = LossPolicy::parse(&p.value)?,
                 "lag_interval" => {
                     config.lag_interval = p.duration(Bare::Seconds)?;
                     if !config.lag_interval.is_zero()
@@ -216,6 +227,19 @@ impl RocketMqConfig {
     /// Sets how many deliveries may be in flight at once.
     pub fn consume_threads(mut self, threads: u32) -> Self {
         self.consume_threads = threads;
+        self
+    }
+
+    /// Sets where a group without a committed offset starts.
+    pub fn start_from(mut self, start: StartFrom) -> Self {
+        self.start_from = start;
+        self
+    }
+
+    /// What the source does when its settings can take a message away
+    /// before it is processed ([`LossPolicy::Refuse`] by default).
+    pub fn broker_loss(mut self, policy: LossPolicy) -> Self {
+        self.broker_loss = policy;
         self
     }
 

@@ -82,6 +82,14 @@
 //! from the broker, which would overwrite a newer offset). Queues another
 //! member holds are that member's to report.
 //!
+//! Loss the settings can cause: [`RocketMqSource::connect`] refuses a
+//! `max_reconsume_times` not above idemq's default retry attempts (the
+//! broker would move a message to `%DLQ%<group>` before idemq's retries
+//! are done) and `start_from=latest` (a group without an offset skips what
+//! was published before), naming each; `broker_loss=warn` logs them and
+//! runs. The broker's own retention (`fileReservedTime`) is not read; see
+//! [`crate::source::loss`] and `docs/operations.md`.
+//!
 //! The RocketMQ client runs on a small Tokio runtime of its own (the crate
 //! insists on owning one), on a thread of its own; each source and publisher
 //! has one and shuts it down when dropped. Each is also a client of its own
@@ -115,6 +123,7 @@ mod acker;
 mod client;
 mod config;
 mod lag;
+mod limits;
 mod mapping;
 mod publisher;
 mod registration;

@@ -106,6 +106,9 @@ impl RocketMqSource {
     /// Starts a push consumer of `config.topic` in `config.group`.
     pub async fn connect(config: RocketMqConfig) -> Result<Self, SourceError> {
         config.validate()?;
+        config
+            .broker_loss
+            .apply("RocketMQ", &super::limits::risks(&config))?;
         let (tx, rx) = mpsc::unbounded_channel();
         let listener = Listener {
             deliveries: tx,
