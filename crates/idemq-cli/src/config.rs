@@ -272,6 +272,28 @@ fn describe(error: &clap::Error) -> String {
     }
 }
 
+/// The store and table prefix the consumers of the file at `path` share
+/// (the file's, or the flag's or environment's that override it), if they
+/// share one: the console and `idemq doctor` read that store rather than
+/// `--store`'s default.
+pub fn shared_store(path: &Path, overrides: &Overrides) -> Result<Option<(String, String)>> {
+    let plan = load(path, overrides)?;
+    let mut stores = plan
+        .jobs
+        .iter()
+        .filter(|job| matches!(job.cli.command, crate::Command::Consume(_)))
+        .map(|job| {
+            (
+                job.cli.global.store.clone(),
+                job.cli.global.table_prefix.clone(),
+            )
+        });
+    let Some(first) = stores.next() else {
+        return Ok(None);
+    };
+    Ok(stores.all(|other| other == first).then_some(first))
+}
+
 /// `config check`'s view of a job: its command line, with URLs and
 /// header values redacted.
 pub fn redacted_argv(argv: &[String]) -> String {

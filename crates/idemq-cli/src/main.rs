@@ -41,6 +41,12 @@ const EXIT_CODES: &str = "EXIT CODES:
   3    not found: `inspect` found nothing for the key; `dlq replay --id` named a missing dead letter
   130  interrupted (Ctrl-C): in-flight messages were finished, the summary covers them";
 
+const EXIT_CODES_DOCTOR: &str = "EXIT CODES:
+  0    every consumer is ok or check
+  1    runtime error: the store is unreachable or failed
+  2    usage or configuration error
+  4    a consumer's verdict is PROBLEM";
+
 /// Exactly-once effects from at-least-once messages: the idempotent-consumer
 /// (inbox) pattern on SQLite, PostgreSQL and MySQL/MariaDB.
 #[derive(Debug, Parser)]
@@ -171,6 +177,26 @@ enum Command {
         after_long_help = EXIT_CODES
     )]
     Prune(PruneArgs),
+
+    /// Check each consumer's broker settings and inbox retention: loss risks, redelivery horizon, a verdict.
+    #[command(
+        long_about = "Check, per consumer, what its broker says beside what its inbox holds, \
+            consuming and creating nothing: the broker settings that can drop messages before \
+            any consumer processed them (the checks each source makes when it connects: stream \
+            and queue limits, retention, compaction, redrive and delivery limits…), the broker's \
+            redelivery horizon (how long after publication it can still deliver a message: \
+            Kafka retention.ms, SQS MessageRetentionPeriod, NATS max_age, RabbitMQ \
+            message-ttl; unbounded for queues that keep a message until it is acknowledged), \
+            and the inbox's keys and oldest row.\n\n\
+            With --older-than (the retention `idemq prune` runs with), a retention shorter than \
+            the horizon is a problem: a duplicate delivered after its row was pruned is applied \
+            again. The consumers are those of --config (as `idemq run` runs them), or the one \
+            of --source and --consumer. Verdicts: ok; check (nothing wrong found, but \
+            something could not be read or proven); PROBLEM. Exits with 4 when a verdict is \
+            PROBLEM.",
+        after_long_help = EXIT_CODES_DOCTOR
+    )]
+    Doctor(DoctorArgs),
 
     /// Show per-consumer numbers: processed keys, oldest/newest, dead letters, failing keys.
     #[command(after_long_help = EXIT_CODES)]
@@ -591,6 +617,30 @@ struct PruneArgs {
     pause: Duration,
 }
 
+/// `idemq doctor`.
+#[derive(Debug, Args)]
+struct DoctorArgs {
+    /// The configuration file whose consumers to check (its store too, unless --store says otherwise).
+    #[arg(long, value_name = "FILE", conflicts_with = "source")]
+    config: Option<PathBuf>,
+
+    /// A consumer's source URL to check (with --consumer), instead of --config.
+    #[arg(long, value_name = "URL", value_parser = Endpoint::from_str, requires = "consumer")]
+    source: Option<Endpoint>,
+
+    /// The consumer name of --source.
+    #[arg(long, value_name = "NAME")]
+    consumer: Option<String>,
+
+    /// The inbox retention (`idemq prune --older-than`), checked against each broker's horizon.
+    #[arg(long, value_name = "DURATION", value_parser = output::HumanDuration::from_str)]
+    older_than: Option<output::HumanDuration>,
+
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
 /// `idemq stats`.
 #[derive(Debug, Args)]
 struct StatsArgs {
@@ -772,9 +822,14 @@ pub(crate) async fn dispatch(cli: Cli) -> Result<ExitCode> {
         return commands::generate::man();
     }
     let mut global = global;
-    if let Command::Console(console) = &command {
-        // The console reads the store its configuration's consumers use.
-        if let Some((store, prefix)) = console::store_of(console, &global)? {
+    // The console and doctor read the store their configuration's consumers use.
+    let config_file = match &command {
+        Command::Console(console) => console.config.as_deref(),
+        Command::Doctor(doctor) => doctor.config.as_deref(),
+        _ => None,
+    };
+    if let Some(path) = config_file {
+        if let Some((store, prefix)) = config::shared_store(path, &global.given)? {
             global.store = store;
             global.table_prefix = prefix;
         }

@@ -4,6 +4,7 @@ pub(crate) mod chaos;
 pub(crate) mod config;
 mod consume;
 pub(crate) mod dlq;
+mod doctor;
 pub(crate) mod generate;
 pub(crate) mod inspect;
 mod migrate;
@@ -35,6 +36,7 @@ pub async fn run<B: Backend + Clone>(
         Command::Migrate => migrate::run(&store, url, &global.table_prefix).await,
         Command::Prune(args) => prune::run(&store, &args).await,
         Command::Stats(args) => stats::run(&store, &args).await,
+        Command::Doctor(args) => doctor::run(&store, global, &args).await,
         Command::Inspect(args) => inspect::run(&store, &args).await,
         Command::Release(args) => release::run(&store, &args).await,
         Command::Dlq(DlqCommand::List(args)) => dlq::list(&store, &args).await,

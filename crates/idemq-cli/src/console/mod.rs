@@ -110,30 +110,6 @@ impl Settled {
     }
 }
 
-/// The store and table prefix of the consumers of `--config`, when they
-/// all share one (the file's, or the flag's or environment's that override
-/// it): the console then reads that store rather than `--store`'s default.
-pub fn store_of(args: &ConsoleArgs, global: &GlobalArgs) -> Result<Option<(String, String)>> {
-    let Some(path) = &args.config else {
-        return Ok(None);
-    };
-    let plan = config::load(path, &global.given)?;
-    let mut stores = plan
-        .jobs
-        .iter()
-        .filter(|job| matches!(job.cli.command, Command::Consume(_)))
-        .map(|job| {
-            (
-                job.cli.global.store.clone(),
-                job.cli.global.table_prefix.clone(),
-            )
-        });
-    let Some(first) = stores.next() else {
-        return Ok(None);
-    };
-    Ok(stores.all(|other| other == first).then_some(first))
-}
-
 /// Serves the console until Ctrl-C or SIGTERM.
 pub async fn run<B: Backend + Clone>(
     store: B,

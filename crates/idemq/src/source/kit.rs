@@ -13,6 +13,7 @@ use std::future::Future;
 
 use futures_util::future::BoxFuture;
 
+use super::health::{BrokerHealth, Horizon};
 use super::registry::{same_url, transport_key_or_id, Broker};
 use super::{Publisher, Source};
 use crate::error::{BoxError, SourceError};
@@ -46,6 +47,7 @@ impl Broker {
             open_source: open_source::<C, S>,
             open_publisher: open_publisher::<C, P>,
             remove: remove::<C>,
+            inspect: inspect::<C>,
         }
     }
 
@@ -100,6 +102,16 @@ pub trait BrokerConfig: Sized + Send {
     /// tests and benchmarks. Nothing by default.
     fn remove(self) -> impl Future<Output = Result<(), SourceError>> + Send {
         async { Ok(()) }
+    }
+
+    /// What the broker says of this configuration, read without consuming
+    /// or creating anything ([`super::health`]). By default: nothing read.
+    fn inspect(self) -> impl Future<Output = Result<BrokerHealth, SourceError>> + Send {
+        async {
+            Ok(BrokerHealth::new(Horizon::Unknown {
+                why: "this broker's retention is not read".into(),
+            }))
+        }
     }
 }
 
@@ -208,6 +220,12 @@ where
 /// configuration is `C`.
 pub fn remove<C: BrokerConfig>(url: &str) -> BoxFuture<'_, Result<(), SourceError>> {
     Box::pin(async move { C::parse(url)?.remove().await })
+}
+
+/// [`Broker::inspect`](super::registry::Broker::inspect) of a broker whose
+/// configuration is `C`.
+pub fn inspect<C: BrokerConfig>(url: &str) -> BoxFuture<'_, Result<BrokerHealth, SourceError>> {
+    Box::pin(async move { C::parse(url)?.inspect().await })
 }
 
 /// An error of kind `Broker` from `broker`'s client while doing `what`:

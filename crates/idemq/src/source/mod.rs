@@ -17,6 +17,7 @@ use crate::outcome::DeadLetterReason;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
+pub mod health;
 pub mod idle;
 pub mod jsonl;
 #[cfg(feature = "kafka")]

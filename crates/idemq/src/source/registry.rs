@@ -20,6 +20,7 @@
 
 use futures_util::future::BoxFuture;
 
+use super::health::Inspect;
 use super::{Publisher, Source};
 use crate::error::SourceError;
 use crate::key::KeySpec;
@@ -69,6 +70,10 @@ pub struct Broker {
     /// Brokers whose objects expire on their own (MQTT sessions) or that
     /// need an operator to delete them (RocketMQ topics) do nothing.
     pub remove: Remove,
+    /// Reads what the broker says of a URL without consuming: the settings
+    /// that can drop unprocessed messages and how long it can still deliver
+    /// one (`idemq doctor`; [`super::health`]).
+    pub inspect: Inspect,
 }
 
 impl std::fmt::Debug for Broker {

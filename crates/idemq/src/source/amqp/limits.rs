@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
+use crate::source::health::Horizon;
 use crate::source::loss::LossRisk;
 
 /// A policy as the management API lists it (`/api/policies/{vhost}`,
@@ -163,6 +164,27 @@ fn number(value: &Value) -> Option<u64> {
 
 fn millis(ms: u64) -> String {
     format!("{:?}", Duration::from_millis(ms))
+}
+
+/// How long the queue keeps a message ([`crate::source::health`]): its
+/// lowest `message-ttl`, unbounded without one (a message stays until it
+/// is acknowledged).
+pub(super) fn horizon(queue: &QueueSettings) -> Horizon {
+    match queue.lowest("message-ttl") {
+        Some(ttl) => Horizon::Bounded {
+            limit: Duration::from_millis(ttl.value),
+            setting: format!(
+                "queue {} message-ttl={} ({})",
+                queue.name, ttl.value, ttl.origin
+            ),
+        },
+        None => Horizon::Unbounded {
+            why: format!(
+                "queue {} has no message-ttl: a message stays until it is acknowledged",
+                queue.name
+            ),
+        },
+    }
 }
 
 /// The risks of one queue (see the [module docs](self)).

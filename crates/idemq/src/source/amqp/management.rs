@@ -97,7 +97,11 @@ pub(super) async fn read(config: &AmqpConfig, queue: &str) -> Option<QueueSettin
     }
 }
 
-async fn read_from(config: &AmqpConfig, base: &Url, queue: &str) -> Result<QueueSettings, String> {
+pub(super) async fn read_from(
+    config: &AmqpConfig,
+    base: &Url,
+    queue: &str,
+) -> Result<QueueSettings, String> {
     let api = Api::new(config, base).await?;
     let vhost = config.uri.vhost.as_str();
     let info = match api.get(&["api", "queues", vhost, queue]).await? {

@@ -10,6 +10,7 @@ use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
 use rdkafka::client::DefaultClientContext;
 
 use super::KafkaConfig;
+use crate::source::health::Horizon;
 use crate::source::loss::LossRisk;
 
 /// How long reading the topic's configuration may take.
@@ -34,7 +35,7 @@ pub(super) async fn describe_topic(config: &KafkaConfig) -> Option<BTreeMap<Stri
 }
 
 /// [`describe_topic`], with the reason when the configuration could not be read.
-async fn try_describe(config: &KafkaConfig) -> Result<BTreeMap<String, String>, String> {
+pub(super) async fn try_describe(config: &KafkaConfig) -> Result<BTreeMap<String, String>, String> {
     let admin: AdminClient<DefaultClientContext> = config
         .connection()
         .create()
@@ -81,6 +82,37 @@ pub(super) fn risks(
     };
     found.extend(offset_reset_risk(config));
     found
+}
+
+/// How long the topic keeps a record, read or not (see
+/// [`crate::source::health`]): `retention.ms` of a `delete` topic;
+/// unbounded for `-1` and for a topic that is only compacted (the latest
+/// record of each key stays).
+pub(super) fn horizon(topic: &str, values: &BTreeMap<String, String>) -> Horizon {
+    let policy = values
+        .get("cleanup.policy")
+        .map(String::as_str)
+        .unwrap_or("delete");
+    if !policy.split(',').any(|p| p.trim() == "delete") {
+        return Horizon::Unbounded {
+            why: format!("topic {topic} cleanup.policy={policy}: the latest record of a key stays"),
+        };
+    }
+    match values
+        .get("retention.ms")
+        .and_then(|v| v.trim().parse::<i64>().ok())
+    {
+        Some(ms) if ms >= 0 => Horizon::Bounded {
+            limit: Duration::from_millis(ms.unsigned_abs()),
+            setting: format!("topic {topic} retention.ms={ms}"),
+        },
+        Some(ms) => Horizon::Unbounded {
+            why: format!("topic {topic} retention.ms={ms}"),
+        },
+        None => Horizon::Unknown {
+            why: format!("topic {topic} described no retention.ms (the broker's default is 7d)"),
+        },
+    }
 }
 
 /// The risks in a topic's configuration `values`.

@@ -1,7 +1,8 @@
 //! Apache Kafka in the broker registry ([`crate::source::registry`]).
 
-use super::{KafkaConfig, KafkaPublisher, KafkaSource};
+use super::{limits, KafkaConfig, KafkaPublisher, KafkaSource};
 use crate::error::SourceError;
+use crate::source::health::{BrokerHealth, Horizon};
 use crate::source::kit::{BrokerConfig, ConnectWith};
 use crate::source::registry::Broker;
 use crate::source::url::with_default_param;
@@ -25,6 +26,20 @@ impl BrokerConfig for KafkaConfig {
     /// Deletes the topic.
     async fn remove(self) -> Result<(), SourceError> {
         self.delete_topic().await
+    }
+
+    /// The topic's configuration (`DescribeConfigs`): its loss risks and
+    /// its retention as the horizon.
+    async fn inspect(self) -> Result<BrokerHealth, SourceError> {
+        match limits::try_describe(&self).await {
+            Ok(values) => Ok(BrokerHealth::new(limits::horizon(&self.topic, &values))
+                .with_risks(limits::risks(&self, Some(&values)))),
+            Err(reason) => Ok(BrokerHealth::new(Horizon::Unknown {
+                why: "the topic's configuration could not be read".into(),
+            })
+            .with_risks(limits::risks(&self, None))
+            .with_unchecked(format!("topic {}'s configuration: {reason}", self.topic))),
+        }
     }
 }
 

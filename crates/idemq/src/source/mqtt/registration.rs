@@ -2,6 +2,7 @@
 
 use super::{MqttConfig, MqttPublisher, MqttSource};
 use crate::error::SourceError;
+use crate::source::health::{BrokerHealth, Horizon};
 use crate::source::kit::{BrokerConfig, ConnectWith};
 use crate::source::registry::Broker;
 use crate::source::url::{competing_with, set_param, with_default_param};
@@ -40,6 +41,15 @@ impl BrokerConfig for MqttConfig {
             Some(topic_url) => set_param(&topic_url, "client_id", &client),
             None => with_default_param(url, "client_id", &client),
         }
+    }
+
+    /// Nothing can be read: MQTT tells a client neither the broker's
+    /// per-client queue limits nor how long it keeps a session's messages.
+    async fn inspect(self) -> Result<BrokerHealth, SourceError> {
+        Ok(BrokerHealth::new(Horizon::Unknown {
+            why: "MQTT tells a client neither the broker's queue limits nor its session expiry".into(),
+        })
+        .with_unchecked("the broker's per-client queue limits (Mosquitto: max_queued_messages; see docs/operations.md)"))
     }
 }
 

@@ -3,7 +3,23 @@
 
 use async_nats::jetstream::stream::{Config, DiscardPolicy};
 
+use crate::source::health::Horizon;
 use crate::source::loss::LossRisk;
+
+/// How long the stream keeps a message, consumed or not
+/// ([`crate::source::health`]): its `max_age`, unbounded without one.
+pub(super) fn horizon(stream: &Config) -> Horizon {
+    if stream.max_age.is_zero() {
+        Horizon::Unbounded {
+            why: format!("stream {} has no max_age", stream.name),
+        }
+    } else {
+        Horizon::Bounded {
+            limit: stream.max_age,
+            setting: format!("stream {} max_age={:?}", stream.name, stream.max_age),
+        }
+    }
+}
 
 /// The stream's limits with `discard: old`: once one is reached, JetStream
 /// deletes the oldest messages whether or not this consumer processed them.

@@ -2,6 +2,7 @@
 
 use super::{NatsConfig, NatsPublisher, NatsSource};
 use crate::error::SourceError;
+use crate::source::health::{BrokerHealth, Horizon};
 use crate::source::kit::{BrokerConfig, ConnectWith};
 use crate::source::registry::Broker;
 
@@ -24,6 +25,26 @@ impl BrokerConfig for NatsConfig {
                 &format!("deleting stream {stream}"),
                 e,
             )),
+        }
+    }
+
+    /// The stream's configuration: its loss risks and its `max_age` as the
+    /// horizon. Creates nothing.
+    async fn inspect(self) -> Result<BrokerHealth, SourceError> {
+        let js = self.jetstream().await?;
+        match js.get_stream(&self.stream).await {
+            Ok(mut stream) => {
+                let config = match stream.info().await {
+                    Ok(info) => info.config.clone(),
+                    Err(_) => stream.cached_info().config.clone(),
+                };
+                Ok(BrokerHealth::new(super::limits::horizon(&config))
+                    .with_risks(super::limits::risks(&config)))
+            }
+            Err(e) => Ok(BrokerHealth::new(Horizon::Unknown {
+                why: format!("stream {} could not be read", self.stream),
+            })
+            .with_unchecked(format!("stream {}: {e}", self.stream))),
         }
     }
 }

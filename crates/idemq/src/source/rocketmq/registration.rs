@@ -2,6 +2,7 @@
 
 use super::{RocketMqConfig, RocketMqPublisher, RocketMqSource};
 use crate::error::SourceError;
+use crate::source::health::{BrokerHealth, Horizon};
 use crate::source::kit::{BrokerConfig, ConnectWith};
 use crate::source::registry::Broker;
 use crate::source::url::with_default_param;
@@ -22,6 +23,15 @@ impl BrokerConfig for RocketMqConfig {
     /// A producer belongs to no consumer group: the URL may omit it.
     fn publisher_url(url: &str) -> String {
         with_default_param(url, "group", "idemq-produce")
+    }
+
+    /// The source's own risky settings; the broker's retention
+    /// (`fileReservedTime`) is not read.
+    async fn inspect(self) -> Result<BrokerHealth, SourceError> {
+        Ok(BrokerHealth::new(Horizon::Unknown {
+            why: "the broker's fileReservedTime is not read (72h by default)".into(),
+        })
+        .with_risks(super::limits::risks(&self)))
     }
 }
 

@@ -34,6 +34,7 @@ use aws_sdk_sqs::types::QueueAttributeName;
 use aws_sdk_sqs::Client;
 
 use super::queue::QueueRef;
+use crate::source::health::Horizon;
 use crate::source::loss::LossRisk;
 
 /// How long reading the queue's attributes may take.
@@ -47,22 +48,51 @@ pub(super) async fn read_attributes(
     client: &Client,
     queue: &QueueRef,
 ) -> Option<HashMap<QueueAttributeName, String>> {
+    match try_read_attributes(client, queue).await {
+        Ok(attributes) => Some(attributes),
+        Err(reason) => {
+            tracing::warn!(
+                queue = %queue.name,
+                %reason,
+                "could not read the queue's attributes: whether SQS can remove messages before they are processed (MessageRetentionPeriod, RedrivePolicy) was not checked"
+            );
+            None
+        }
+    }
+}
+
+/// [`read_attributes`], with the reason when they could not be read.
+pub(super) async fn try_read_attributes(
+    client: &Client,
+    queue: &QueueRef,
+) -> Result<HashMap<QueueAttributeName, String>, String> {
     let request = client
         .get_queue_attributes()
         .queue_url(&queue.url)
         .attribute_names(QueueAttributeName::MessageRetentionPeriod)
         .attribute_names(QueueAttributeName::RedrivePolicy);
-    let reason = match tokio::time::timeout(REQUEST_TIMEOUT, request.send()).await {
-        Ok(Ok(answer)) => return Some(answer.attributes().cloned().unwrap_or_default()),
-        Ok(Err(e)) => DisplayErrorContext(&e).to_string(),
-        Err(_) => format!("no answer within {REQUEST_TIMEOUT:?}"),
-    };
-    tracing::warn!(
-        queue = %queue.name,
-        %reason,
-        "could not read the queue's attributes: whether SQS can remove messages before they are processed (MessageRetentionPeriod, RedrivePolicy) was not checked"
-    );
-    None
+    match tokio::time::timeout(REQUEST_TIMEOUT, request.send()).await {
+        Ok(Ok(answer)) => Ok(answer.attributes().cloned().unwrap_or_default()),
+        Ok(Err(e)) => Err(DisplayErrorContext(&e).to_string()),
+        Err(_) => Err(format!("no answer within {REQUEST_TIMEOUT:?}")),
+    }
+}
+
+/// How long the queue keeps a message, received or not
+/// ([`crate::source::health`]): its `MessageRetentionPeriod`.
+pub(super) fn horizon(queue: &str, attributes: &HashMap<QueueAttributeName, String>) -> Horizon {
+    match attributes
+        .get(&QueueAttributeName::MessageRetentionPeriod)
+        .and_then(|v| v.trim().parse::<u64>().ok())
+    {
+        Some(secs) => Horizon::Bounded {
+            limit: Duration::from_secs(secs),
+            setting: format!("queue {queue} MessageRetentionPeriod={secs}"),
+        },
+        None => Horizon::Unknown {
+            why: format!("queue {queue} reported no MessageRetentionPeriod (SQS's default is 4d)"),
+        },
+    }
 }
 
 /// The risks in the attributes of `queue` (see the [module docs](self)).

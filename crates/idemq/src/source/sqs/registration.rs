@@ -2,6 +2,7 @@
 
 use super::{SqsConfig, SqsPublisher, SqsSource};
 use crate::error::SourceError;
+use crate::source::health::{BrokerHealth, Horizon};
 use crate::source::kit::{BrokerConfig, ConnectWith};
 use crate::source::registry::Broker;
 
@@ -27,6 +28,26 @@ impl BrokerConfig for SqsConfig {
                 .map_err(|e| super::queue::broker_error(&format!("DeleteQueue {name}"), e))?;
         }
         Ok(())
+    }
+
+    /// The queue's attributes (`GetQueueAttributes`): its loss risks and
+    /// its `MessageRetentionPeriod` as the horizon. Creates nothing.
+    async fn inspect(self) -> Result<BrokerHealth, SourceError> {
+        let client = self.client().await?;
+        let queue = super::queue::resolve_queue(&client, &self.queue, false).await?;
+        match super::limits::try_read_attributes(&client, &queue).await {
+            Ok(attributes) => {
+                Ok(
+                    BrokerHealth::new(super::limits::horizon(&queue.name, &attributes)).with_risks(
+                        super::limits::risks(&queue.name, &attributes, self.min_retention),
+                    ),
+                )
+            }
+            Err(reason) => Ok(BrokerHealth::new(Horizon::Unknown {
+                why: "the queue's attributes could not be read".into(),
+            })
+            .with_unchecked(format!("queue {}'s attributes: {reason}", queue.name))),
+        }
     }
 }
 
