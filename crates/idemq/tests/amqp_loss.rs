@@ -243,3 +243,67 @@ async fn a_message_ttl_under_min_retention_is_refused_and_does_discard() {
     publisher.close().await.unwrap();
     policy(&policy_name, None).await;
 }
+
+/// `delivery-limit=1` by policy on a quorum queue: refused (not above
+/// idemq's default 5 attempts), and the broker does drop a payment
+/// returned twice — what a consumer killed twice mid-message does.
+#[tokio::test]
+async fn a_low_delivery_limit_is_refused_and_does_drop_returned_messages() {
+    let (messages, _) = payments(1, json!({}));
+    let (config, policy_name) = queue_with_policy(json!({"delivery-limit": 1})).await;
+    let config = config.queue_type(idemq::source::amqp::QueueType::Quorum);
+    let publisher = AmqpPublisher::connect(config.clone()).await.unwrap();
+    let err = AmqpSource::connect(config.clone()).await.unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!(
+            "queue {}: delivery-limit=1 (policy \"{policy_name}\") not above idemq's default max_attempts 5",
+            config.queue_name()
+        )),
+        "{text}"
+    );
+
+    support::publish_all(&publisher, &messages).await;
+    let connection =
+        lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    for _ in 0..2 {
+        let got = channel
+            .basic_get(
+                config.queue_name().into(),
+                lapin::options::BasicGetOptions::default(),
+            )
+            .await
+            .unwrap()
+            .expect("the payment is still there to be returned");
+        got.delivery
+            .acker
+            .nack(lapin::options::BasicNackOptions {
+                requeue: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    eventually(Duration::from_secs(10), "the payment dropped", || async {
+        ready(config.queue_name()).await == 0
+    })
+    .await;
+    let after = channel
+        .basic_get(
+            config.queue_name().into(),
+            lapin::options::BasicGetOptions::default(),
+        )
+        .await
+        .unwrap();
+    assert!(
+        after.is_none(),
+        "returned twice past delivery-limit=1, it is gone"
+    );
+    connection.close(200, "done".into()).await.unwrap();
+    publisher.delete_topology().await.unwrap();
+    publisher.close().await.unwrap();
+    policy(&policy_name, None).await;
+}

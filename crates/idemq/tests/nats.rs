@@ -200,10 +200,11 @@ async fn retries_wait_for_the_nak_delay_and_end_on_the_dead_letter_subject() {
     let ledger = Ledger::new().await;
     let name = support::unique("retry");
     // A long ack_wait: a retry that came from its expiry would take 6 s.
-    // The server's max_deliver (5) is above the engine's 3 attempts.
+    // The server's max_deliver (6) is above the engine's 3 attempts (and
+    // above the default 5, under which the source refuses the consumer).
     let config = config(&name)
         .ack_wait(Duration::from_secs(6))
-        .max_deliver(5)
+        .max_deliver(6)
         .dead_letter_subject(format!("{name}.dead"));
     let mut messages = support::flaky_and_bad().to_vec();
     messages.push(payment("m-ok", "p-ok", 5, serde_json::json!({})));
@@ -441,5 +442,67 @@ async fn a_stream_that_discards_unprocessed_messages_is_refused_and_does_lose_th
     applied.sort();
     assert_eq!(applied, stored.keys().cloned().collect::<Vec<_>>());
     delete_streams(&recommended).await;
+    ledger.cleanup().await;
+}
+
+/// A consumer whose `max_deliver` (2) gives up before idemq's retries (5)
+/// is refused at connect, naming it; run anyway (`broker_loss=warn`), a
+/// payment that fails twice and would succeed the third time is never
+/// delivered a third time, and so never applied: JetStream keeps it in the
+/// stream and delivers it to no one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_max_deliver_under_the_retries_is_refused_and_does_lose_the_message() {
+    let ledger = Ledger::new().await;
+    let name = support::unique("maxdeliver");
+    let config = config(&name).max_deliver(2);
+    let err = NatsSource::connect(config.clone()).await.unwrap_err();
+    assert_eq!(err.kind(), SourceErrorKind::Config, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("consumer billing: max_deliver=2 (not above idemq's default max_attempts 5)"),
+        "{text}"
+    );
+    let messages = [
+        payment(
+            "m-flaky",
+            "p-flaky",
+            3,
+            serde_json::json!({ "fail": "retry", "fail_times": 2 }),
+        ),
+        payment("m-ok", "p-ok", 5, serde_json::json!({})),
+    ];
+    publish(&config, &messages).await;
+    let tally = Tally::default();
+    let plan = Arc::new(Plan::default());
+    let consumer = tally.build(
+        ledger
+            .consumer("billing", Arc::clone(&plan))
+            .retry(support::fast_retry().with_max_attempts(5)),
+    );
+    let deliveries = Deliveries::default();
+    let source = deliveries.wrap(
+        NatsSource::connect(
+            config
+                .clone()
+                .broker_loss(idemq::source::loss::LossPolicy::Warn),
+        )
+        .await
+        .unwrap(),
+    );
+    // Two deliveries of p-flaky come within a second (50 ms, 100 ms
+    // backoffs); a third would come as soon; 4 s (two ack_waits) is ample.
+    consumer
+        .run_until(source, tokio::time::sleep(Duration::from_secs(4)))
+        .await
+        .unwrap();
+    assert_eq!(
+        deliveries.get("p-flaky").0,
+        2,
+        "delivered twice, then never"
+    );
+    ledger
+        .assert_exactly_once(&BTreeMap::from([("p-ok".to_owned(), 5)]))
+        .await;
+    delete_streams(&config).await;
     ledger.cleanup().await;
 }

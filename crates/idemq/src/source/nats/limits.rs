@@ -6,6 +6,24 @@ use async_nats::jetstream::stream::{Config, DiscardPolicy};
 use crate::source::health::Horizon;
 use crate::source::loss::LossRisk;
 
+/// The consumer's `max_deliver` from 1 to idemq's default retry attempts
+/// ([`crate::RetryPolicy::default`]'s `max_attempts`, 5): after that many
+/// deliveries JetStream stops delivering a message to the consumer (it
+/// stays in the stream, never processed), before idemq's own retries are
+/// done. `-1` (or `0`) is unlimited.
+pub(super) fn consumer_risks(consumer: &str, max_deliver: i64) -> Vec<LossRisk> {
+    let floor = i64::from(crate::RetryPolicy::default().max_attempts);
+    if !(1..=floor).contains(&max_deliver) {
+        return Vec::new();
+    }
+    vec![LossRisk {
+        place: format!("consumer {consumer}"),
+        setting: format!("max_deliver={max_deliver} (not above idemq's default max_attempts {floor})"),
+        effect: "stops delivering a message after that many deliveries (a consumer killed mid-message counts), before idemq's retries are done: it stays in the stream, never processed".into(),
+        remedy: "set max_deliver above idemq's --max-attempts (and the consumer's own max_attempts), or -1".into(),
+    }]
+}
+
 /// How long the stream keeps a message, consumed or not
 /// ([`crate::source::health`]): its `max_age`, unbounded without one.
 pub(super) fn horizon(stream: &Config) -> Horizon {
@@ -67,6 +85,17 @@ mod tests {
             name: "ORDERS".into(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_low_max_deliver_is_a_risk_and_unlimited_is_not() {
+        assert_eq!(
+            consumer_risks("c", 3)[0].setting,
+            "max_deliver=3 (not above idemq's default max_attempts 5)"
+        );
+        assert!(consumer_risks("c", 6).is_empty());
+        assert!(consumer_risks("c", -1).is_empty());
+        assert!(consumer_risks("c", 0).is_empty());
     }
 
     #[test]

@@ -38,8 +38,20 @@ impl BrokerConfig for NatsConfig {
                     Ok(info) => info.config.clone(),
                     Err(_) => stream.cached_info().config.clone(),
                 };
-                Ok(BrokerHealth::new(super::limits::horizon(&config))
-                    .with_risks(super::limits::risks(&config)))
+                let mut health = BrokerHealth::new(super::limits::horizon(&config))
+                    .with_risks(super::limits::risks(&config));
+                match stream.consumer_info(&self.consumer).await {
+                    Ok(info) => {
+                        health = health.with_risks(super::limits::consumer_risks(
+                            &self.consumer,
+                            info.config.max_deliver,
+                        ))
+                    }
+                    Err(e) => {
+                        health = health.with_unchecked(format!("consumer {}: {e}", self.consumer))
+                    }
+                }
+                Ok(health)
             }
             Err(e) => Ok(BrokerHealth::new(Horizon::Unknown {
                 why: format!("stream {} could not be read", self.stream),

@@ -181,6 +181,13 @@ impl NatsSource {
                 broker_error(&format!("getting the consumer {}", config.consumer), e)
             })?
         };
+        config.broker_loss.apply(
+            "NATS",
+            &super::limits::consumer_risks(
+                &config.consumer,
+                consumer.cached_info().config.max_deliver,
+            ),
+        )?;
         let ack_wait = consumer.cached_info().config.ack_wait;
         if !ack_wait.is_zero() && ack_wait != config.ack_wait {
             return Err(SourceError::config(format!(
