@@ -273,7 +273,7 @@ const BROKER_ROWS: &[BrokerRow] = &[
         // A persistent session that expires a minute after the round.
         url: |cfg, name| {
             format!(
-                "{}/idemq_bench/{name}?client_id={name}&session_expiry=60s",
+                "{}/idemq_bench/{name}?client_id={name}&session_expiry=60s&min_retention=60s",
                 cfg.mqtt
             )
         },

@@ -184,3 +184,69 @@ async fn a_topic_whose_retention_deletes_unread_records_is_refused_and_does_lose
     ledger.cleanup().await;
     delete_topic(BROKERS, &topic).await.unwrap();
 }
+
+/// A new group with `auto.offset.reset=latest` is refused at connect,
+/// naming it; run anyway (`broker_loss=warn`), it skips the 20 payments
+/// published before it joined and applies only the 10 published after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_new_group_starting_at_latest_is_refused_and_skips_what_came_before() {
+    let topic = support::unique("idemq_latest");
+    assert!(create_topic(BROKERS, &topic, 1).await.unwrap());
+    let group = support::unique("g");
+    let mut config = KafkaConfig::new(BROKERS, &topic, &group);
+    config.auto_offset_reset = "latest".into();
+    let err = KafkaSource::connect(config.clone()).await.unwrap_err();
+    assert_eq!(err.kind(), SourceErrorKind::Config, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("consumer group {group}: auto.offset.reset=latest")),
+        "{text}"
+    );
+
+    let publisher = KafkaPublisher::connect(BROKERS, &topic).await.unwrap();
+    let (before, _) = payments(20, serde_json::json!({}));
+    support::publish_all(&publisher, &before).await;
+    let ledger = Ledger::new().await;
+    let tally = Tally::default();
+    let consumer = tally.build(ledger.consumer("latest", Arc::new(Plan::default())));
+    let source = KafkaSource::connect(config.broker_loss(LossPolicy::Warn))
+        .await
+        .unwrap();
+    let after: Vec<_> = (0..10)
+        .map(|i| {
+            payment(
+                &format!("m-after-{i}"),
+                &format!("after-{i}"),
+                1,
+                serde_json::json!({}),
+            )
+        })
+        .collect();
+    // Publish the later payments once the group has its partition (the
+    // consumer applies nothing until then, so keep publishing them until
+    // one is applied; the keys make repeats duplicates).
+    let run = {
+        let consumer = consumer.clone();
+        tokio::spawn(async move {
+            consumer
+                .run_until(source, tokio::time::sleep(Duration::from_secs(25)))
+                .await
+        })
+    };
+    let started = Instant::now();
+    while tally.processed_keys().len() < 10 && started.elapsed() < Duration::from_secs(20) {
+        support::publish_all(&publisher, &after).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    run.abort();
+    let mut applied = tally.processed_keys();
+    applied.sort();
+    let mut expected: Vec<String> = (0..10).map(|i| format!("after-{i}")).collect();
+    expected.sort();
+    assert_eq!(
+        applied, expected,
+        "the 20 published before the group joined were skipped"
+    );
+    ledger.cleanup().await;
+    delete_topic(BROKERS, &topic).await.unwrap();
+}

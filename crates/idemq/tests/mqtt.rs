@@ -25,7 +25,7 @@ use support::{
 fn config(topic: &str, client_id: &str) -> MqttConfig {
     let broker = std::env::var("IDEMQ_TEST_MQTT").unwrap_or_else(|_| "127.0.0.1:1883".into());
     MqttConfig::from_url(&format!(
-        "mqtt://{broker}/{topic}?client_id={client_id}&session_expiry=60s"
+        "mqtt://{broker}/{topic}?client_id={client_id}&session_expiry=60s&min_retention=60s"
     ))
     .unwrap()
 }

@@ -297,3 +297,61 @@ impl<S: Source> Source for Recording<S> {
         Ok(delivery)
     }
 }
+
+/// `max_reconsume_times=0` (not above idemq's default 5 attempts) is
+/// refused at connect, naming it; run anyway (`broker_loss=warn`), a
+/// payment whose handler fails once, and would succeed the second time,
+/// goes to the broker's `%DLQ%` topic at its first `ReconsumeLater` and is
+/// never delivered again (a retry comes about 10 s later otherwise, as in
+/// `retries_then_dead_letter`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn few_reconsumes_are_refused_and_the_broker_takes_the_message_away() {
+    let ledger = Ledger::new().await;
+    let topic = support::unique("idemq");
+    let group = support::unique("g");
+    let risky = config(&topic, &group).max_reconsume_times(0);
+    let err = RocketMqSource::connect(risky.clone()).await.unwrap_err();
+    assert_eq!(err.kind(), idemq::SourceErrorKind::Config, "{err}");
+    assert!(
+        err.to_string()
+            .contains("max_reconsume_times=0 (not above idemq's default max_attempts 5)"),
+        "{err}"
+    );
+    let messages = vec![
+        payment(
+            "m-flaky",
+            "p-flaky",
+            5,
+            serde_json::json!({ "fail": "retry", "fail_times": 1 }),
+        ),
+        payment("m-1", "p-1", 1, serde_json::json!({})),
+    ];
+    publish(&topic, &messages).await;
+    let plan = Arc::new(Plan::default());
+    let consumer = ledger
+        .consumer("rocketmq-dlq", Arc::clone(&plan))
+        .retry(support::fast_retry().with_max_attempts(5))
+        .build()
+        .unwrap();
+    let counts: Deliveries = Arc::default();
+    let source = Recording {
+        inner: source(risky.broker_loss(idemq::source::loss::LossPolicy::Warn)).await,
+        counts: Arc::clone(&counts),
+    };
+    // p-1 is applied at once; p-flaky fails once and, past a retry's 10 s,
+    // never comes back.
+    consumer
+        .run_until(source, tokio::time::sleep(Duration::from_secs(16)))
+        .await
+        .unwrap();
+    ledger
+        .assert_exactly_once(&BTreeMap::from([("p-1".to_owned(), 1)]))
+        .await;
+    let counts = counts.lock().unwrap().clone();
+    assert_eq!(
+        counts.get("p-flaky").map(Vec::len),
+        Some(1),
+        "delivered once, then taken to %DLQ%: {counts:?}"
+    );
+    ledger.cleanup().await;
+}

@@ -374,7 +374,7 @@ async fn a_retention_shorter_than_min_retention_is_refused_and_deletes_unreceive
 }
 
 #[tokio::test]
-async fn a_redrive_policy_below_the_retry_attempts_is_refused() {
+async fn a_redrive_policy_below_the_retry_attempts_is_refused_and_does_move_messages() {
     let redrive = support::unique("redrive_target");
     let arn = create_with(&redrive, &[]).await;
     let queue = support::unique("redrive");
@@ -391,9 +391,49 @@ async fn a_redrive_policy_below_the_retry_attempts_is_refused() {
         &format!("RedrivePolicy maxReceiveCount=1 to queue {redrive}"),
     )
     .await;
-    SqsSource::connect(refused.broker_loss(LossPolicy::Warn))
+    SqsSource::connect(refused.clone().broker_loss(LossPolicy::Warn))
         .await
         .unwrap();
+
+    // What the check is about: a payment received once and not deleted (a
+    // consumer that crashed, or an idemq retry) is moved to the redrive
+    // queue at its next receive, never to reach the consumer again.
+    let (messages, _) = payments(1, serde_json::json!({}));
+    publish(&refused, &messages).await;
+    let client = refused.client().await.unwrap();
+    let url_of = |name: String| {
+        let client = client.clone();
+        async move {
+            client
+                .get_queue_url()
+                .queue_name(name)
+                .send()
+                .await
+                .unwrap()
+                .queue_url()
+                .unwrap()
+                .to_owned()
+        }
+    };
+    let (source_url, target_url) = (url_of(queue.clone()).await, url_of(redrive.clone()).await);
+    let receive = |url: String| {
+        let client = client.clone();
+        async move {
+            client
+                .receive_message()
+                .queue_url(url)
+                .visibility_timeout(0)
+                .wait_time_seconds(1)
+                .send()
+                .await
+                .unwrap()
+                .messages()
+                .len()
+        }
+    };
+    assert_eq!(receive(source_url.clone()).await, 1, "the first receive");
+    assert_eq!(receive(source_url).await, 0, "moved away at the second");
+    assert_eq!(receive(target_url).await, 1, "now in the redrive queue");
     // A queue the source creates has SQS's defaults: no risk.
     SqsSource::connect(config(&support::unique("created")))
         .await

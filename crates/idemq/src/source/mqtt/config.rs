@@ -11,6 +11,7 @@ use super::link::CONNECT_TIMEOUT;
 #[cfg(doc)]
 use super::MqttPublisher;
 use crate::error::SourceError;
+use crate::source::loss::{LossPolicy, LossRisk, DEFAULT_MIN_RETENTION};
 use crate::source::url::{Bare, BrokerUrl};
 
 /// How to reach the broker and what to subscribe to. Build it with
@@ -45,6 +46,13 @@ pub struct MqttConfig {
     pub ca_file: Option<PathBuf>,
     /// A client certificate and its key, PEM files (`cert=PATH&key=PATH`).
     pub client_cert: Option<(PathBuf, PathBuf)>,
+    /// What the source does when its settings can lose messages
+    /// (`broker_loss=refuse|warn`, default refuse): a `session_expiry`
+    /// under `min_retention`.
+    pub broker_loss: LossPolicy,
+    /// The shortest `session_expiry` that is no risk (`min_retention=`,
+    /// default 1 day).
+    pub min_retention: Duration,
 }
 
 impl std::fmt::Debug for MqttConfig {
@@ -61,6 +69,8 @@ impl std::fmt::Debug for MqttConfig {
             .field("tls", &self.tls)
             .field("ca_file", &self.ca_file)
             .field("client_cert", &self.client_cert)
+            .field("broker_loss", &self.broker_loss)
+            .field("min_retention", &self.min_retention)
             .finish()
     }
 }
@@ -85,11 +95,18 @@ impl MqttConfig {
             tls: false,
             ca_file: None,
             client_cert: None,
+            broker_loss: LossPolicy::Refuse,
+            min_retention: DEFAULT_MIN_RETENTION,
         }
     }
 
     /// Parses
-    /// `mqtt://[user:password@]host[:port]/topic/filter?client_id=ID[&qos=1][&keep_alive=30s][&session_expiry=1h][&dead_letter_topic=T]`.
+    /// `mqtt://[user:password@]host[:port]/topic/filter?client_id=ID[&qos=1][&keep_alive=30s][&session_expiry=1h][&dead_letter_topic=T][&broker_loss=refuse|warn][&min_retention=1d]`.
+    ///
+    /// A source refuses a `session_expiry` under `min_retention` (default
+    /// 1 day): the broker would delete the session, with every message
+    /// queued for it, while the consumer is down that long
+    /// (`broker_loss=warn` logs it and runs).
     ///
     /// Everything between the first `/` and the `?` is the topic filter, `#`
     /// and `+` included (they may also be written `%23` and `%2B`).
@@ -118,6 +135,8 @@ impl MqttConfig {
                 "keep_alive" => config.keep_alive = p.duration(Bare::Seconds)?,
                 "session_expiry" => config.session_expiry = p.duration(Bare::Seconds)?,
                 "dead_letter_topic" => config.dead_letter_topic = Some(p.value),
+                "broker_loss" => config.broker_loss = LossPolicy::parse(&p.value)?,
+                "min_retention" => config.min_retention = p.duration(Bare::Seconds)?,
                 "cacert" if tls => config.ca_file = p.non_empty().map(PathBuf::from),
                 "cert" if tls => cert = p.non_empty().map(PathBuf::from),
                 "key" if tls => key = p.non_empty().map(PathBuf::from),
@@ -145,6 +164,32 @@ impl MqttConfig {
     pub fn session_expiry(mut self, expiry: Duration) -> Self {
         self.session_expiry = expiry;
         self
+    }
+
+    /// What a source does when its settings can lose messages
+    /// ([`LossPolicy::Refuse`] by default).
+    pub fn broker_loss(mut self, policy: LossPolicy) -> Self {
+        self.broker_loss = policy;
+        self
+    }
+
+    /// The settings of this source that can lose messages: a
+    /// `session_expiry` under `min_retention` (the broker deletes the
+    /// session and the messages queued for it once the consumer has been
+    /// disconnected that long).
+    pub(super) fn loss_risks(&self) -> Vec<LossRisk> {
+        if self.session_expiry >= self.min_retention {
+            return Vec::new();
+        }
+        vec![LossRisk {
+            place: format!("session {}", self.client_id),
+            setting: format!(
+                "session_expiry={:?} (under min_retention {:?})",
+                self.session_expiry, self.min_retention
+            ),
+            effect: "lets the broker delete the session, with every message queued for it, once this consumer has been disconnected that long".into(),
+            remedy: "set session_expiry above the longest outage (and the broker's own cap, Mosquitto's persistent_client_expiration, above it too), or lower min_retention in the URL".into(),
+        }]
     }
 
     /// Checks names and ranges.
@@ -255,6 +300,25 @@ pub(super) fn validate_publish_topic(topic: &str) -> Result<(), SourceError> {
 mod tests {
     use super::*;
     use crate::error::SourceErrorKind;
+
+    #[test]
+    fn a_session_expiry_under_min_retention_is_a_risk() {
+        let short = MqttConfig::from_url("mqtt://h/t?client_id=c&session_expiry=1h").unwrap();
+        assert_eq!(
+            short.loss_risks()[0].setting,
+            "session_expiry=3600s (under min_retention 86400s)"
+        );
+        let lenient =
+            MqttConfig::from_url("mqtt://h/t?client_id=c&session_expiry=1h&min_retention=1h")
+                .unwrap();
+        assert!(lenient.loss_risks().is_empty());
+        assert!(MqttConfig::from_url("mqtt://h/t?client_id=c")
+            .unwrap()
+            .loss_risks()
+            .is_empty());
+        let warn = MqttConfig::from_url("mqtt://h/t?client_id=c&broker_loss=warn").unwrap();
+        assert_eq!(warn.broker_loss, LossPolicy::Warn);
+    }
 
     #[test]
     fn parses_mqtts_urls() {

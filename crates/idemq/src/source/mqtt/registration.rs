@@ -46,9 +46,11 @@ impl BrokerConfig for MqttConfig {
     /// Nothing can be read: MQTT tells a client neither the broker's
     /// per-client queue limits nor how long it keeps a session's messages.
     async fn inspect(self) -> Result<BrokerHealth, SourceError> {
+        let risks = self.loss_risks();
         Ok(BrokerHealth::new(Horizon::Unknown {
             why: "MQTT tells a client neither the broker's queue limits nor its session expiry".into(),
         })
+        .with_risks(risks)
         .with_unchecked("the broker's per-client queue limits (Mosquitto: max_queued_messages; see docs/operations.md)"))
     }
 }

@@ -52,6 +52,7 @@ impl MqttSource {
     /// once the broker acknowledged the subscription.
     pub async fn connect(config: MqttConfig) -> Result<Self, SourceError> {
         config.validate()?;
+        config.broker_loss.apply("MQTT", &config.loss_risks())?;
         let (tx, rx) = mpsc::unbounded_channel();
         let link = open(
             config.options(&config.client_id, true)?,
