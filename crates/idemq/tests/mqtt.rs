@@ -178,3 +178,109 @@ async fn a_refused_connection_is_a_broker_error() {
         Err(ref e) if e.kind() == SourceErrorKind::Config
     ));
 }
+
+/// Subscribes as `client_id` (a persistent session of `expiry`), leaves
+/// with `DISCONNECT`, lets `publish` run while the session is offline,
+/// waits `away`, comes back and returns how many messages the broker still
+/// had for the session within 3 s.
+async fn kept_while_away<F, Fut>(topic: &str, expiry: &str, away: Duration, publish: F) -> usize
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let broker = std::env::var("IDEMQ_TEST_MQTT").unwrap_or_else(|_| "127.0.0.1:1883".into());
+    let client_id = support::unique("away");
+    let url = format!(
+        "mqtt://{broker}/{topic}?client_id={client_id}&session_expiry={expiry}&min_retention=1s"
+    );
+    let config = MqttConfig::from_url(&url).unwrap();
+    let mut source = MqttSource::connect(config.clone()).await.unwrap();
+    idemq::source::Source::close(&mut source).await;
+    drop(source);
+    publish().await;
+    tokio::time::sleep(away).await;
+    let mut source = MqttSource::connect(config).await.unwrap();
+    let mut got = 0;
+    while let Ok(Ok(Some(delivery))) = tokio::time::timeout(
+        Duration::from_secs(3),
+        idemq::source::Source::next(&mut source),
+    )
+    .await
+    {
+        let (_, _, _, acker) = delivery.into_parts();
+        acker.ack().await.unwrap();
+        got += 1;
+    }
+    got
+}
+
+/// A `session_expiry` under `min_retention` is refused; what it does: the
+/// broker deletes a session away longer than its expiry (2 s), with the 5
+/// payments queued for it, while a session of 60 s keeps them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_short_session_expiry_is_refused_and_does_lose_queued_messages() {
+    let short =
+        MqttConfig::from_url("mqtt://127.0.0.1:1883/t?client_id=c&session_expiry=2s").unwrap();
+    let err = MqttSource::connect(short).await.unwrap_err();
+    assert_eq!(err.kind(), SourceErrorKind::Config, "{err}");
+    assert!(
+        err.to_string()
+            .contains("session c: session_expiry=2s (under min_retention 86400s)"),
+        "{err}"
+    );
+    let (messages, _) = payments(5, serde_json::json!({}));
+    let away = Duration::from_secs(5);
+    let topic = support::unique("expiring");
+    let lost = kept_while_away(&topic, "2s", away, || publish(&topic, &messages)).await;
+    assert_eq!(lost, 0, "the expired session's queued payments are gone");
+    let topic = support::unique("kept");
+    let kept = kept_while_away(&topic, "60s", away, || publish(&topic, &messages)).await;
+    assert_eq!(kept, 5, "a live session keeps them");
+}
+
+/// A publisher's MQTT 5 message expiry interval (1 s) drops a payment
+/// queued for a session that is away longer (the broker setting idemq
+/// cannot see: docs/operations.md); without one the payment waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_message_expiry_drops_what_waits_longer() {
+    use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
+    use rumqttc::v5::mqttbytes::QoS;
+    use rumqttc::v5::{AsyncClient, Event, MqttOptions};
+
+    async fn publish_expiring(topic: &str, expiry: Option<u32>) {
+        let mut options = MqttOptions::new(support::unique("expiring_pub"), "127.0.0.1", 1883);
+        options.set_keep_alive(Duration::from_secs(5));
+        let (client, mut events) = AsyncClient::new(options, 10);
+        let properties = PublishProperties {
+            message_expiry_interval: expiry,
+            ..Default::default()
+        };
+        client
+            .publish_with_properties(
+                topic,
+                QoS::AtLeastOnce,
+                false,
+                b"{\"payment_id\":\"p-x\"}".to_vec(),
+                properties,
+            )
+            .await
+            .unwrap();
+        loop {
+            let event = tokio::time::timeout(Duration::from_secs(5), events.poll())
+                .await
+                .expect("a PUBACK within 5 s")
+                .unwrap();
+            if let Event::Incoming(Packet::PubAck(_)) = event {
+                break;
+            }
+        }
+        client.disconnect().await.unwrap();
+    }
+    let away = Duration::from_secs(3);
+    let topic = support::unique("msg_expiry");
+    let expired = kept_while_away(&topic, "60s", away, || publish_expiring(&topic, Some(1))).await;
+    assert_eq!(expired, 0, "the message expired while the session was away");
+    let topic = support::unique("msg_no_expiry");
+    let kept = kept_while_away(&topic, "60s", away, || publish_expiring(&topic, None)).await;
+    assert_eq!(kept, 1);
+}
