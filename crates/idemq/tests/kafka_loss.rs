@@ -33,16 +33,25 @@ const BROKERS: &str = "127.0.0.1:9092";
 /// soon enough for a test. The payments' keys are all different, so
 /// compaction itself removes nothing.
 async fn short_retention_topic() -> String {
-    let name = support::unique("idemq_retention");
+    lossy_topic("idemq_retention", &[("retention.ms", "1000")]).await
+}
+
+/// A fresh one-partition `compact,delete` topic (see
+/// [`short_retention_topic`]) whose segments roll after a second, with
+/// `settings` on top.
+async fn lossy_topic(prefix: &str, settings: &[(&str, &str)]) -> String {
+    let name = support::unique(prefix);
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", BROKERS)
         .create()
         .unwrap();
-    let topic = NewTopic::new(&name, 1, TopicReplication::Fixed(1))
+    let mut topic = NewTopic::new(&name, 1, TopicReplication::Fixed(1))
         .set("cleanup.policy", "compact,delete")
-        .set("retention.ms", "1000")
         .set("segment.ms", "1000")
         .set("file.delete.delay.ms", "1000");
+    for (key, value) in settings {
+        topic = topic.set(key, value);
+    }
     let created = admin
         .create_topics(
             [&topic],
@@ -247,6 +256,46 @@ async fn a_new_group_starting_at_latest_is_refused_and_skips_what_came_before() 
         applied, expected,
         "the 20 published before the group joined were skipped"
     );
+    ledger.cleanup().await;
+    delete_topic(BROKERS, &topic).await.unwrap();
+}
+
+/// `retention.bytes=1` is refused at connect, naming it; the broker then
+/// deletes the 100 payments published to it as soon as a newer segment
+/// exists (one record a second later rolls it), before any consumer read
+/// them: a consumer run anyway gets only what came after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_topic_retained_by_size_is_refused_and_does_delete_unread_records() {
+    let topic = lossy_topic("idemq_bytes", &[("retention.bytes", "1")]).await;
+    let group = support::unique("g");
+    let config = KafkaConfig::new(BROKERS, &topic, &group);
+    let err = KafkaSource::connect(config.clone()).await.unwrap_err();
+    assert_eq!(err.kind(), SourceErrorKind::Config, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("topic {topic}: retention.bytes=1")),
+        "{text}"
+    );
+
+    let (messages, _) = payments(100, serde_json::json!({}));
+    let publisher = KafkaPublisher::connect(BROKERS, &topic).await.unwrap();
+    support::publish_all(&publisher, &messages).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let late = publish_late(&topic, 1).await;
+    let (low, _) = wait_deleted(&topic, 100, Duration::from_secs(40)).await;
+    assert!(
+        low >= 100,
+        "the broker did not delete the first segment within 40 s (low watermark {low})"
+    );
+
+    let ledger = Ledger::new().await;
+    let tally = Tally::default();
+    let consumer = tally.build(ledger.consumer("bytes", Arc::new(Plan::default())));
+    let source = KafkaSource::connect(config.broker_loss(LossPolicy::Warn))
+        .await
+        .unwrap();
+    support::run_until_settled(&consumer, source, &tally, 1, Duration::from_secs(30)).await;
+    assert_eq!(tally.processed_keys(), late, "the 100 were deleted unread");
     ledger.cleanup().await;
     delete_topic(BROKERS, &topic).await.unwrap();
 }
