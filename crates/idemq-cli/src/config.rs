@@ -272,6 +272,22 @@ fn describe(error: &clap::Error) -> String {
     }
 }
 
+/// The consumers of the file at `path`: each one's name and source.
+pub fn consumers(
+    path: &Path,
+    overrides: &Overrides,
+) -> Result<Vec<(String, crate::endpoint::Endpoint)>> {
+    let plan = load(path, overrides)?;
+    Ok(plan
+        .jobs
+        .into_iter()
+        .filter_map(|job| match job.cli.command {
+            crate::Command::Consume(consume) => Some((consume.consumer, consume.input)),
+            _ => None,
+        })
+        .collect())
+}
+
 /// The store and table prefix the consumers of the file at `path` share
 /// (the file's, or the flag's or environment's that override it), if they
 /// share one: the console and `idemq doctor` read that store rather than

@@ -173,7 +173,13 @@ enum Command {
         long_about = "Delete inbox rows older than a retention period, in batches.\n\n\
             Keep rows longer than the longest time a duplicate can still arrive (broker \
             retention, producer retries, replays): a key pruned too early is applied again \
-            by a late duplicate. Dead letters are not pruned.",
+            by a late duplicate. Dead letters are not pruned.\n\n\
+            With --source URL (repeatable) or --config FILE (its consumers' sources), the \
+            brokers' redelivery horizons are read first (Kafka retention.ms, SQS \
+            MessageRetentionPeriod, NATS max_age, RabbitMQ message-ttl; see `idemq doctor`) \
+            and an --older-than under the longest one is refused (exit 2), as is one under \
+            --floor, the operator's floor for brokers whose horizon cannot be read. --force \
+            prunes anyway, with a warning.",
         after_long_help = EXIT_CODES
     )]
     Prune(PruneArgs),
@@ -615,6 +621,22 @@ struct PruneArgs {
     /// Pause between batches.
     #[arg(long, default_value = "10ms", value_name = "DURATION", value_parser = humantime::parse_duration)]
     pause: Duration,
+
+    /// A source whose broker's redelivery horizon --older-than must not be under (repeatable).
+    #[arg(long = "source", value_name = "URL", value_parser = Endpoint::from_str)]
+    sources: Vec<Endpoint>,
+
+    /// A configuration file whose consumers' sources are checked as --source.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+
+    /// The shortest --older-than accepted, for brokers whose horizon cannot be read.
+    #[arg(long, value_name = "DURATION", value_parser = output::HumanDuration::from_str)]
+    floor: Option<output::HumanDuration>,
+
+    /// Prune even when --older-than is under a horizon or the floor (logged as a warning).
+    #[arg(long)]
+    force: bool,
 }
 
 /// `idemq doctor`.

@@ -173,3 +173,56 @@ fn a_queue_policy_that_drops_messages_is_a_problem_and_a_file_has_no_broker() {
     assert_eq!(files["consumer"], "files", "{said}");
     assert_eq!(files["verdict"], "ok", "{said}");
 }
+
+#[test]
+fn prune_refuses_a_cutoff_under_the_horizon_unless_forced() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path());
+    let topic = unique("prune_floor");
+    produce_one(
+        dir.path(),
+        &format!("kafka://127.0.0.1:9092/{topic}?create_partitions=1"),
+    );
+    let source = format!("kafka://127.0.0.1:9092/{topic}?group=billing");
+    let prune = |extra: &[&str]| {
+        idemq()
+            .args(["--store", &store, "prune", "--source", &source])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let refused = prune(&["--older-than", "1d"]);
+    let said = text(&refused);
+    assert_eq!(refused.status.code(), Some(2), "{said}");
+    assert!(said.contains("refusing to prune"), "{said}");
+    assert!(
+        said.contains(&format!("7d (topic {topic} retention.ms=604800000)")),
+        "{said}"
+    );
+    let forced = prune(&["--older-than", "1d", "--force"]);
+    let said = text(&forced);
+    assert_eq!(forced.status.code(), Some(0), "{said}");
+    assert!(said.contains("pruning anyway (--force)"), "{said}");
+    assert!(said.contains("pruned 0 rows"), "{said}");
+    let safe = prune(&["--older-than", "7d"]);
+    assert_eq!(safe.status.code(), Some(0), "{}", text(&safe));
+    // A floor for what cannot be read: a file has no horizon.
+    let floored = idemq()
+        .args([
+            "--store",
+            &store,
+            "prune",
+            "--older-than",
+            "1h",
+            "--floor",
+            "2d",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(floored.status.code(), Some(2), "{}", text(&floored));
+    assert!(
+        text(&floored).contains("under the floor of 2d"),
+        "{}",
+        text(&floored)
+    );
+}

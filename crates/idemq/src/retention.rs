@@ -10,6 +10,7 @@ use std::time::{Duration, SystemTime};
 
 use crate::error::StoreError;
 use crate::policy::RetentionPolicy;
+use crate::source::health::{human, Horizon};
 use crate::store::{system_time_ms, StoreAdmin};
 
 /// Deletes every inbox row first seen more than `policy.keep_for` ago, batch
@@ -47,6 +48,54 @@ pub async fn prune_before(
     }
     metrics::counter!("idemq_pruned_rows_total").increment(total);
     Ok(total)
+}
+
+/// Why pruning rows older than `keep_for` would let a late duplicate
+/// through, or `None` when it would not: `keep_for` under the longest
+/// bounded redelivery horizon among `horizons` (each named by its source),
+/// or under `floor`, the operator's own floor for brokers whose horizon
+/// cannot be read. Unbounded and unknown horizons are not refused here
+/// (nothing says how long is enough); `idemq doctor` reports them.
+///
+/// ```
+/// use std::time::Duration;
+/// use idemq::retention::floor_violation;
+/// use idemq::source::health::Horizon;
+///
+/// let day = Duration::from_secs(86_400);
+/// let kafka = Horizon::Bounded { limit: day * 7, setting: "topic t retention.ms=604800000".into() };
+/// let why = floor_violation(day, &[("kafka://k/t", &kafka)], None).unwrap();
+/// assert!(why.contains("7d"), "{why}");
+/// assert!(floor_violation(day * 7, &[("kafka://k/t", &kafka)], None).is_none());
+/// assert!(floor_violation(day, &[], Some(day * 2)).is_some());
+/// ```
+pub fn floor_violation(
+    keep_for: Duration,
+    horizons: &[(&str, &Horizon)],
+    floor: Option<Duration>,
+) -> Option<String> {
+    let longest = horizons
+        .iter()
+        .filter_map(|(source, horizon)| match horizon {
+            Horizon::Bounded { limit, setting } => Some((*limit, *source, setting.as_str())),
+            _ => None,
+        })
+        .max_by_key(|(limit, ..)| *limit);
+    if let Some((limit, source, setting)) = longest.filter(|(limit, ..)| keep_for < *limit) {
+        return Some(format!(
+            "rows older than {} are younger than what {source} can still deliver, {} ({setting}): a duplicate it delivers later would be applied again",
+            human(keep_for),
+            human(limit)
+        ));
+    }
+    match floor {
+        Some(floor) if keep_for < floor => Some(format!(
+            "rows older than {} are under the floor of {}",
+            human(keep_for),
+            human(floor)
+        )),
+        _ => None,
+    }
 }
 
 /// Prunes every `interval` in the background until the handle is aborted.

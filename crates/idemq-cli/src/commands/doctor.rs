@@ -11,7 +11,7 @@ use serde_json::json;
 
 use crate::backend::Backend;
 use crate::endpoint::Endpoint;
-use crate::{config, Command, DoctorArgs, GlobalArgs};
+use crate::{config, DoctorArgs, GlobalArgs};
 
 /// The exit status when a consumer's verdict is a problem.
 pub const PROBLEM: u8 = 4;
@@ -59,17 +59,9 @@ impl Verdict {
 /// The consumers of `--config`, or the one of `--source` and `--consumer`.
 fn targets(args: &DoctorArgs, global: &GlobalArgs) -> Result<Vec<Target>> {
     if let Some(path) = &args.config {
-        let plan = config::load(path, &global.given)?;
-        let found: Vec<Target> = plan
-            .jobs
+        let found: Vec<Target> = config::consumers(path, &global.given)?
             .into_iter()
-            .filter_map(|job| match job.cli.command {
-                Command::Consume(consume) => Some(Target {
-                    consumer: consume.consumer,
-                    source: consume.input,
-                }),
-                _ => None,
-            })
+            .map(|(consumer, source)| Target { consumer, source })
             .collect();
         if found.is_empty() {
             return Err(crate::exit::usage(format!(

@@ -34,7 +34,7 @@ pub async fn run<B: Backend + Clone>(
         Command::Produce(args) => produce::run(args).await,
         Command::Relay(args) => relay::run(args, global).await,
         Command::Migrate => migrate::run(&store, url, &global.table_prefix).await,
-        Command::Prune(args) => prune::run(&store, &args).await,
+        Command::Prune(args) => prune::run(&store, global, &args).await,
         Command::Stats(args) => stats::run(&store, &args).await,
         Command::Doctor(args) => doctor::run(&store, global, &args).await,
         Command::Inspect(args) => inspect::run(&store, &args).await,
