@@ -5,7 +5,8 @@
 # Mosquitto and NATS from Debian's packages (scripts/services.sh), Apache
 # Kafka and Apache RocketMQ from Maven Central (scripts/kafka.sh,
 # scripts/rocketmq.sh), SQS on moto from PyPI (scripts/sqs.sh), Debian's
-# chromium for the console's browser test (scripts/chromium.sh); then the
+# chromium for the console's browser test (scripts/chromium.sh), a Redis
+# Cluster of six redis-server nodes (scripts/redis-cluster.sh); then the
 # short chaos matrix (scripts/chaos.sh). Run from anywhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,8 @@ scripts/deps.sh
 took deps
 scripts/services.sh
 took "services (Debian)"
+scripts/redis-cluster.sh
+took "Redis Cluster (3 masters, 3 replicas)"
 scripts/kafka.sh
 took "Apache Kafka"
 scripts/sqs.sh

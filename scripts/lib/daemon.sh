@@ -31,7 +31,12 @@ pid_alive() {
   read -r pid start <"$1" || return 1
   [ -n "$pid" ] && [ -n "$start" ] || return 1
   now="$(proc_start_time "$pid")" || return 1
-  [ "$now" = "$start" ]
+  [ "$now" = "$start" ] || return 1
+  # Exited and not reaped yet (a zombie) is not alive.
+  local stat
+  stat="$(cat "/proc/$pid/stat" 2>/dev/null)" || return 1
+  stat="${stat##*) }"
+  [ "${stat%% *}" != Z ]
 }
 
 # The pid in PIDFILE when it is alive, else nothing (status 1).

@@ -61,6 +61,35 @@ pub(crate) fn compiled_out(name: &str, feature: &str) -> String {
     format!("this idemq was built without {name} support (cargo feature `{feature}`)")
 }
 
+/// The node URLs of a Redis Cluster store URL,
+/// `redis+cluster://[user:password@]host:port,host:port[?query]` (or
+/// `rediss+cluster://` for TLS): one `redis://` (`rediss://`) URL per
+/// node, each with the credentials and the query. `None` for any other URL.
+pub(crate) fn cluster_nodes(url: &str) -> Option<Vec<String>> {
+    let (scheme, rest) = url.split_once("://")?;
+    let node_scheme = match scheme.to_ascii_lowercase().as_str() {
+        "redis+cluster" => "redis",
+        "rediss+cluster" => "rediss",
+        _ => return None,
+    };
+    let (authority, tail) = match rest.find(['/', '?']) {
+        Some(at) => rest.split_at(at),
+        None => (rest, ""),
+    };
+    let query = tail.find('?').map_or("", |at| &tail[at..]);
+    let (userinfo, hosts) = match authority.rsplit_once('@') {
+        Some((user, hosts)) => (format!("{user}@"), hosts),
+        None => (String::new(), authority),
+    };
+    Some(
+        hosts
+            .split(',')
+            .filter(|h| !h.is_empty())
+            .map(|host| format!("{node_scheme}://{userinfo}{host}{query}"))
+            .collect(),
+    )
+}
+
 impl FromStr for StoreUrl {
     type Err = String;
 
@@ -102,7 +131,7 @@ impl FromStr for StoreUrl {
                     return Err(compiled_out("MySQL/MariaDB", "mysql"));
                 }
             }
-            "redis" | "rediss" => {
+            "redis" | "rediss" | "redis+cluster" | "rediss+cluster" => {
                 #[cfg(feature = "redis")]
                 {
                     Kind::Redis
@@ -115,7 +144,7 @@ impl FromStr for StoreUrl {
             other => {
                 return Err(format!(
                     "unknown store scheme {other:?} in {display}: expected sqlite:, postgres://, \
-                     postgresql://, mysql://, mariadb:// or redis://"
+                     postgresql://, mysql://, mariadb://, redis:// or redis+cluster://"
                 ))
             }
         };
@@ -390,6 +419,28 @@ pub(crate) use connect_sql;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cluster_urls_name_every_node() {
+        assert_eq!(
+            cluster_nodes("redis+cluster://u:p@h1:7000,h2:7001/?cacert=ca.pem").unwrap(),
+            [
+                "redis://u:p@h1:7000?cacert=ca.pem",
+                "redis://u:p@h2:7001?cacert=ca.pem"
+            ]
+        );
+        assert_eq!(
+            cluster_nodes("rediss+cluster://h:7000").unwrap(),
+            ["rediss://h:7000"]
+        );
+        assert!(cluster_nodes("redis://h:6379").is_none());
+        #[cfg(feature = "redis")]
+        {
+            let u: StoreUrl = "redis+cluster://u:secret@h1:7000,h2:7001".parse().unwrap();
+            assert_eq!(u.kind, Kind::Redis);
+            assert!(!u.display.contains("secret"), "{}", u.display);
+        }
+    }
 
     #[test]
     fn schemes() {

@@ -886,9 +886,14 @@ pub(crate) async fn dispatch(cli: Cli) -> Result<ExitCode> {
             let prefix = global.table_prefix.trim_end_matches('_');
             let options =
                 RedisOptions::default().prefix(if prefix.is_empty() { "idemq" } else { prefix });
-            let store = RedisStore::connect_with(&url.url, options)
-                .await
-                .map_err(|e| backend::connect_error(&url, e))?;
+            let connected = match backend::cluster_nodes(&url.url) {
+                Some(nodes) => {
+                    let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
+                    RedisStore::connect_cluster(&nodes, options).await
+                }
+                None => RedisStore::connect_with(&url.url, options).await,
+            };
+            let store = connected.map_err(|e| backend::connect_error(&url, e))?;
             commands::run(store, &url, &global, command).await
         }
     }

@@ -1039,9 +1039,21 @@ where
 #[cfg(feature = "redis")]
 #[test]
 fn redis_store_consumes_once_and_reports() {
+    redis_store_round_trip("redis://127.0.0.1:6379");
+}
+
+/// The same on the Redis Cluster of `scripts/redis-cluster.sh`, named by two
+/// of its nodes.
+#[cfg(feature = "redis")]
+#[test]
+fn a_redis_cluster_store_consumes_once_and_reports() {
+    redis_store_round_trip("redis+cluster://127.0.0.1:7000,127.0.0.1:7001");
+}
+
+#[cfg(feature = "redis")]
+fn redis_store_round_trip(redis: &str) {
     let fx = Fixture::new();
     let prefix = format!("cli{}_", unique_suffix());
-    let redis = "redis://127.0.0.1:6379";
     let consume = |extra: &[&str]| {
         let mut args = vec![
             "--table-prefix",

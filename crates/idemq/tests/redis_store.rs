@@ -842,3 +842,208 @@ async fn release_frees_a_held_lease_and_fences_off_its_holder() {
     );
     cleanup(&store, &prefix).await;
 }
+
+/// The Redis Cluster of `scripts/redis-cluster.sh` (three masters, three
+/// replicas on 127.0.0.1:7000-7005), `IDEMQ_TEST_REDIS_CLUSTER` (nodes
+/// separated by commas) to change.
+fn cluster_nodes() -> Vec<String> {
+    std::env::var("IDEMQ_TEST_REDIS_CLUSTER")
+        .unwrap_or_else(|_| {
+            "redis://127.0.0.1:7000,redis://127.0.0.1:7001,redis://127.0.0.1:7002".into()
+        })
+        .split(',')
+        .map(str::to_owned)
+        .collect()
+}
+
+/// One node of the cluster: `CLUSTER NODES` as (id, port, is master, slot
+/// count), read through the first node that answers.
+async fn cluster_layout() -> Vec<(String, u16, bool, usize)> {
+    for node in cluster_nodes() {
+        let Ok(client) = redis::Client::open(node.as_str()) else {
+            continue;
+        };
+        let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+            continue;
+        };
+        let Ok(text) = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query_async::<String>(&mut conn)
+            .await
+        else {
+            continue;
+        };
+        return text
+            .lines()
+            .filter_map(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let port = f.get(1)?.split(['@', ':']).nth(1)?.parse().ok()?;
+                let master = f.get(2)?.contains("master");
+                let slots = f[8.min(f.len())..]
+                    .iter()
+                    .filter(|s| !s.starts_with('['))
+                    .map(|s| match s.split_once('-') {
+                        Some((a, b)) => {
+                            b.parse::<usize>().unwrap_or(0) + 1 - a.parse::<usize>().unwrap_or(0)
+                        }
+                        None => 1,
+                    })
+                    .sum();
+                Some((f[0].to_owned(), port, master, slots))
+            })
+            .collect();
+    }
+    panic!("no node of the Redis Cluster answers (scripts/redis-cluster.sh)");
+}
+
+/// Runs `redis-cli ARGS…` to its end; panics with its output on failure.
+async fn redis_cli(args: Vec<String>) {
+    let run = args.clone();
+    let out = tokio::task::spawn_blocking(move || Command::new("redis-cli").args(&run).output())
+        .await
+        .unwrap()
+        .expect("redis-cli");
+    assert!(
+        out.status.success(),
+        "redis-cli {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Moves `slots` slots from the master `from` to the master `to`
+/// (`redis-cli --cluster reshard`: each slot's keys are MIGRATEd while
+/// clients get ASK and MOVED redirections).
+async fn reshard(from: &str, to: &str, slots: usize) {
+    redis_cli(
+        [
+            "--cluster",
+            "reshard",
+            "127.0.0.1:7000",
+            "--cluster-from",
+            from,
+            "--cluster-to",
+            to,
+            "--cluster-slots",
+            &slots.to_string(),
+            "--cluster-yes",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
+    )
+    .await;
+}
+
+/// Payments of the cluster test.
+const PAYMENTS: usize = 2000;
+
+/// 2,000 payments with duplicates through 4 workers on the Redis Cluster;
+/// at a fifth processed a replica takes over its master (`CLUSTER FAILOVER`,
+/// the coordinated failover: the replica catches up first), at two fifths
+/// 300 of a master's slots move to another master with their keys. Every
+/// payment is applied, only handlers in flight at a switch may run again
+/// (with a higher fencing number), and every duplicate is caught.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failover_and_a_slot_migration_mid_run_lose_nothing_on_a_cluster() {
+    let nodes = cluster_nodes();
+    let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
+    let prefix = unique("rc");
+    let store = RedisStore::connect_cluster(&nodes, options(&prefix))
+        .await
+        .expect("connect to the Redis Cluster (scripts/redis-cluster.sh)");
+    let effects = Effects::default();
+    let (messages, expected) = duplicated(PAYMENTS, serde_json::json!({ "sleep_ms": 20 }));
+    let queue = queue_of(&messages);
+    let (processed, transient) = (Arc::default(), Arc::default());
+    let (workers, concurrency) = (4, 4);
+    let builders: Vec<_> = (0..workers)
+        .map(|_| {
+            redis_consumer(&store, &effects)
+                .concurrency(concurrency)
+                .lease(Duration::from_secs(2))
+                .on_outcome(count_outcomes(&processed, &transient))
+        })
+        .collect();
+    let run = run_workers(builders, &queue, Duration::from_secs(120));
+    let switches = {
+        let processed = Arc::clone(&processed);
+        async move {
+            let reach = |n: u32| {
+                let processed = Arc::clone(&processed);
+                async move {
+                    while processed.load(Ordering::SeqCst) < n {
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                }
+            };
+            reach(PAYMENTS as u32 / 5).await;
+            let layout = cluster_layout().await;
+            let (_, replica, ..) = layout.iter().find(|n| !n.2).expect("a replica").clone();
+            redis_cli(vec![
+                "-p".into(),
+                replica.to_string(),
+                "cluster".into(),
+                "failover".into(),
+            ])
+            .await;
+            let started = Instant::now();
+            while !cluster_layout().await.iter().any(|n| n.1 == replica && n.2) {
+                assert!(
+                    started.elapsed() < Duration::from_secs(20),
+                    "the failover to {replica} did not happen"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let at_failover = processed.load(Ordering::SeqCst);
+            reach(PAYMENTS as u32 * 2 / 5).await;
+            let masters: Vec<_> = cluster_layout()
+                .await
+                .into_iter()
+                .filter(|n| n.2 && n.3 > 0)
+                .collect();
+            let (from, to) = (&masters[0], &masters[1]);
+            let moved = 300.min(from.3 / 2);
+            reshard(&from.0, &to.0, moved).await;
+            let at_migration = processed.load(Ordering::SeqCst);
+            (
+                at_failover,
+                at_migration,
+                from.0.clone(),
+                to.0.clone(),
+                moved,
+            )
+        }
+    };
+    let ((done, _), (at_failover, at_migration, from, to, moved)) = tokio::join!(run, switches);
+    eprintln!("failover at {at_failover} processed, {moved} slots migrated by {at_migration}; {done} processed, {} transient errors", transient.load(Ordering::SeqCst));
+    assert!(
+        at_migration < PAYMENTS as u32,
+        "the migration ended mid-run ({at_migration} processed)"
+    );
+    assert_eq!(
+        queue.acked(),
+        messages.len() as u64,
+        "every delivery settled"
+    );
+    let applied = effects.snapshot();
+    let lost: Vec<_> = expected
+        .keys()
+        .filter(|k| !applied.contains_key(*k))
+        .collect();
+    assert!(lost.is_empty(), "lost: {lost:?}");
+    let repeated: Vec<_> = applied.iter().filter(|(_, f)| f.len() > 1).collect();
+    eprintln!("repeated effects: {}", repeated.len());
+    assert!(
+        repeated.len() <= 2 * workers * concurrency,
+        "repeated effects beyond the handlers in flight at the two switches: {repeated:?}"
+    );
+    for fences in applied.values() {
+        assert!(
+            fences.windows(2).all(|w| w[0] < w[1]),
+            "fences rise: {fences:?}"
+        );
+    }
+    // Put the slots back, so that runs do not drift the layout.
+    reshard(&to, &from, moved).await;
+}

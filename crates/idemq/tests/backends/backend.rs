@@ -433,3 +433,87 @@ impl Backend for RedisBackend {
         }
     }
 }
+
+/// The Redis lease store on the Redis Cluster of `scripts/redis-cluster.sh`
+/// (127.0.0.1:7000-7005, `IDEMQ_TEST_REDIS_CLUSTER`: nodes separated by
+/// commas), under a unique key prefix; the ledger in process, as for
+/// [`RedisBackend`].
+#[cfg(feature = "redis")]
+pub struct RedisClusterBackend(RedisBackend);
+
+#[cfg(feature = "redis")]
+#[async_trait]
+impl Backend for RedisClusterBackend {
+    type S = idemq::store::redis::RedisStore;
+
+    async fn fresh() -> Self {
+        let nodes = std::env::var("IDEMQ_TEST_REDIS_CLUSTER").unwrap_or_else(|_| {
+            "redis://127.0.0.1:7000,redis://127.0.0.1:7001,redis://127.0.0.1:7002".into()
+        });
+        let nodes: Vec<&str> = nodes.split(',').collect();
+        let prefix = unique_prefix();
+        let store = idemq::store::redis::RedisStore::connect_cluster(
+            &nodes,
+            idemq::store::redis::RedisOptions::default().prefix(&prefix),
+        )
+        .await
+        .expect("connect to the Redis Cluster (scripts/redis-cluster.sh)");
+        Self(RedisBackend {
+            store,
+            prefix,
+            ledger: Arc::default(),
+        })
+    }
+
+    fn store(&self) -> Self::S {
+        self.0.store()
+    }
+
+    fn handler(&self, plan: Arc<Plan>) -> Box<dyn Handler<idemq::store::redis::RedisLease>> {
+        self.0.handler(plan)
+    }
+
+    async fn ledger(&self) -> Vec<(String, i64)> {
+        self.0.ledger().await
+    }
+
+    /// Unlinks the prefix's keys on every master, one key at a time (a
+    /// cluster node refuses a multi-key command across slots).
+    async fn cleanup(self) {
+        for port in 7000..=7005 {
+            let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}")) else {
+                continue;
+            };
+            let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+                continue;
+            };
+            let role: Vec<redis::Value> = redis::cmd("ROLE")
+                .query_async(&mut conn)
+                .await
+                .unwrap_or_default();
+            if !matches!(role.first(), Some(redis::Value::BulkString(r)) if r == b"master") {
+                continue;
+            }
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(format!("*{}*", self.0.prefix))
+                    .arg("COUNT")
+                    .arg(1000)
+                    .query_async(&mut conn)
+                    .await
+                    .expect("scan");
+                for key in keys {
+                    let _: Result<i64, _> =
+                        redis::cmd("UNLINK").arg(&key).query_async(&mut conn).await;
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+    }
+}

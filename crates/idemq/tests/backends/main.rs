@@ -1,6 +1,6 @@
 //! The same exactly-once scenarios against every store: real PostgreSQL,
 //! MariaDB and SQLite servers/files, the in-memory lease store and (feature
-//! `redis`) the Redis lease store.
+//! `redis`) the Redis lease store, on one Redis and on a Redis Cluster.
 //!
 //! Every scenario applies messages to a ledger table that has **no** unique
 //! constraint, so a message applied twice shows up as two rows.
@@ -48,6 +48,13 @@ mod redis {
         })
         .await
     }
+}
+
+/// The same scenarios on a Redis Cluster (three masters, three replicas:
+/// `scripts/redis-cluster.sh`): keys spread over the masters' slots.
+#[cfg(feature = "redis")]
+mod redis_cluster {
+    crate::scenarios::suite!(crate::backend::RedisClusterBackend);
 }
 
 mod memory {
