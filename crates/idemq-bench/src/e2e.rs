@@ -31,7 +31,7 @@ const SECTION: &str = "End to end → PostgreSQL";
 /// The longest one broker measurement may take before the row is given up.
 const BROKER_LIMIT: Duration = Duration::from_secs(180);
 /// The longest connecting a publisher or a source may take.
-const CONNECT_LIMIT: Duration = Duration::from_secs(30);
+pub(crate) const CONNECT_LIMIT: Duration = Duration::from_secs(30);
 /// How long the first publish of a round is retried: a broker may still be
 /// registering a topic it creates on first use (RocketMQ).
 const FIRST_PUBLISH_LIMIT: Duration = Duration::from_secs(30);
@@ -90,7 +90,7 @@ struct Ledger<'a> {
 }
 
 /// Awaits `step` for at most `limit`; an error or the timeout names `what`.
-async fn within<T, E: Into<anyhow::Error>>(
+pub(crate) async fn within<T, E: Into<anyhow::Error>>(
     limit: Duration,
     what: &str,
     step: impl Future<Output = Result<T, E>>,
@@ -296,6 +296,15 @@ const BROKER_ROWS: &[BrokerRow] = &[
         url: |cfg, name| format!("rocketmq://{}/{name}?group={name}_g", cfg.rocketmq),
     },
 ];
+
+/// The URL of fresh objects called `name` on the broker `id` (as
+/// [`Broker::id`]) at the run's servers, as the end-to-end rows use them.
+pub(crate) fn broker_url(id: &str, cfg: &Config, name: &str) -> Option<String> {
+    BROKER_ROWS
+        .iter()
+        .find(|row| row.id == id)
+        .map(|row| (row.url)(cfg, name))
+}
 
 impl BrokerRow {
     /// The registered broker.

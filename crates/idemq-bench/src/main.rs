@@ -11,13 +11,16 @@
 //! - Redis: the lease store beside raw `SET NX PX`;
 //! - the in-memory store beside a bare queue drain;
 //! - end to end: JSON lines and each reachable broker (RabbitMQ, Kafka, NATS
-//!   JetStream, Redis Streams, MQTT, SQS, RocketMQ) → PostgreSQL.
+//!   JetStream, Redis Streams, MQTT, SQS, RocketMQ) → PostgreSQL;
+//! - the outbox relay: a PostgreSQL outbox → each reachable broker, one row
+//!   at a time and pipelined, beside the broker's raw publish rate.
 //!
 //! Run `scripts/bench.sh` (release build); `--help` lists the knobs.
 
 mod claim;
 mod e2e;
 mod lease;
+mod relay;
 mod report;
 mod sql;
 
@@ -146,11 +149,34 @@ pub struct Config {
     #[arg(long, default_value_t = 200)]
     pub sqs_messages: u64,
 
-    /// Sections to run, comma-separated: sql, claim, redis, memory, e2e.
+    /// Rows per relay measurement (written to the outbox untimed first).
+    #[arg(long, default_value_t = 2_000)]
+    pub relay_messages: u64,
+    /// Keys the relay rows are spread over, round robin.
+    #[arg(long, default_value_t = 1_000)]
+    pub relay_keys: u64,
+    /// Rows per relay batch (`RelayOptions::batch_size`).
+    #[arg(long, default_value_t = 100)]
+    pub relay_batch: usize,
+    /// `max_in_flight` of the pipelined relay rows, and the in-flight count
+    /// of their raw-publish baseline.
+    #[arg(long, default_value_t = 64)]
+    pub relay_in_flight: usize,
+    /// Destinations of the relay rows, comma-separated broker ids
+    /// (`redis-stream`, `nats`, `amqp`, `kafka`, `mqtt`, `rocketmq`, `sqs`),
+    /// `none` for a publisher that accepts at once.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "sql,claim,redis,memory,e2e"
+        default_value = "none,redis-stream,nats,amqp,kafka"
+    )]
+    pub relay_brokers: Vec<String>,
+
+    /// Sections to run, comma-separated: sql, claim, redis, memory, e2e, relay.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "sql,claim,redis,memory,e2e,relay"
     )]
     pub only: Vec<String>,
 }
@@ -316,7 +342,7 @@ async fn main() -> anyhow::Result<()> {
     }
     anyhow::ensure!(cfg.rounds >= 1, "--rounds must be at least 1");
     anyhow::ensure!(
-        cfg.concurrency >= 1 && cfg.in_flight >= 1,
+        cfg.concurrency >= 1 && cfg.in_flight >= 1 && cfg.relay_in_flight >= 1,
         "concurrency must be at least 1"
     );
     let mut rows: Vec<Row> = Vec::new();
@@ -352,8 +378,13 @@ async fn main() -> anyhow::Result<()> {
         rows.extend(r);
         notes.extend(n);
     }
+    if cfg.runs("relay") {
+        let (r, n) = relay::rows(&cfg).await.context("relay rows")?;
+        rows.extend(r);
+        notes.extend(n);
+    }
     if versions.iter().all(|(w, _)| !w.starts_with("PostgreSQL"))
-        && (cfg.runs("claim") || cfg.runs("e2e"))
+        && (cfg.runs("claim") || cfg.runs("e2e") || cfg.runs("relay"))
     {
         if let Ok(v) = sql::postgres_version(&cfg.postgres).await {
             versions.push(v);

@@ -324,6 +324,8 @@ async fn relay_round_trip(db: &Db, dest: &Destination) {
             "4",
             "--max-attempts",
             "3",
+            "--max-in-flight",
+            "8",
             "--idle-exit",
             "2s",
         ])
@@ -421,7 +423,16 @@ async fn sqlite_rows_are_relayed_to_a_file_and_consumed_exactly_once() {
             line["key"]
         );
     }
-    assert_eq!(lines[6..], lines[..2], "the copies carry the same ids");
+    // The relay publishes the two accounts concurrently, so the copies of
+    // evt-0 (acc-0) and evt-1 (acc-1) may be in either order.
+    let first_of = |id: &str| lines[..6].iter().find(|l| l["id"] == id).cloned();
+    let mut copies = lines[6..].to_vec();
+    copies.sort_by_key(|l| l["id"].to_string());
+    assert_eq!(
+        copies,
+        [first_of("evt-0").unwrap(), first_of("evt-1").unwrap()],
+        "the copies carry the same ids"
+    );
     assert!(!text.contains("rolled-back"));
 }
 
@@ -570,4 +581,18 @@ fn a_missing_table_is_reported_with_a_hint_and_a_bad_prefix_is_a_usage_error() {
         "-",
     ]);
     assert_eq!(bad.code, 2, "{bad:#?}");
+    let none_in_flight = idemq(&[
+        "--store",
+        &store,
+        "relay",
+        "--to",
+        "-",
+        "--max-in-flight",
+        "0",
+    ]);
+    assert_eq!(none_in_flight.code, 2, "{none_in_flight:#?}");
+    assert!(
+        none_in_flight.stderr.contains("--max-in-flight"),
+        "{none_in_flight:#?}"
+    );
 }

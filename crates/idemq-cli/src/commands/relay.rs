@@ -36,6 +36,13 @@ pub struct RelayArgs {
     #[arg(long, default_value_t = 100, value_name = "N", value_parser = crate::parse_positive)]
     pub batch: usize,
 
+    /// Most messages awaiting the broker's confirmation at once. Only rows
+    /// of different keys are in flight together: a key's next row is
+    /// published after the broker confirmed its previous one, so the order
+    /// per key holds whatever this is; 1 publishes one row at a time.
+    #[arg(long, default_value_t = 64, value_name = "N", value_parser = crate::parse_positive)]
+    pub max_in_flight: usize,
+
     /// How long to wait between polls of an empty outbox (PostgreSQL relays
     /// are also woken by NOTIFY at every insert).
     #[arg(long, default_value = "1s", value_name = "DURATION", value_parser = humantime::parse_duration)]
@@ -134,6 +141,7 @@ async fn relay<DB: OutboxDatabase>(
     let table = outbox.table().to_owned();
     let mut options = RelayOptions::default();
     options.batch_size = args.batch;
+    options.max_in_flight = args.max_in_flight;
     options.poll_interval = args.poll_interval;
     options.idle_exit = args.idle_exit;
     options.publish_timeout = args.publish_timeout;

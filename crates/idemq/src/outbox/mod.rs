@@ -36,7 +36,10 @@
 //! A relay holds a (destination, key) by locking the key's *oldest* row:
 //! it reads the oldest row of each key, locks those rows with
 //! `FOR UPDATE SKIP LOCKED` (PostgreSQL, MariaDB ≥ 10.6), and publishes the
-//! rows of the keys it got, in `seq` order, inside that transaction. Another
+//! rows of the keys it got inside that transaction: one key's rows one
+//! after another in `seq` order (the next once the broker confirmed the
+//! previous), different keys concurrently, up to
+//! [`RelayOptions::max_in_flight`] at once. Another
 //! relay sees the same oldest row, cannot lock it, and skips the whole key
 //! — it never takes a later row of a key whose earlier row is in flight.
 //! Rows are deleted only after the broker confirmed them, and after a
@@ -54,7 +57,8 @@
 //!
 //! - The business transaction rolls back: the row never existed.
 //! - A publish fails or times out: the row stays, its `attempts` grows and
-//!   it is retried after a backoff; later rows of its key wait.
+//!   it is retried after a backoff; later rows of its key wait, the batch's
+//!   other keys go on.
 //! - A row fails [`RelayOptions::max_attempts`] times, or with an error a
 //!   retry cannot cure (a [`SourceErrorKind::Config`](crate::SourceErrorKind::Config)(crate::SourceError::config)
 //!   from the publisher, a `headers` column that is not a JSON object): it

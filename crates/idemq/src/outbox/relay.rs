@@ -1,11 +1,12 @@
 //! The relay: claims outbox rows, publishes them, deletes what the broker
 //! confirmed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -24,6 +25,12 @@ const DELETE_CHUNK: usize = 500;
 pub struct RelayOptions {
     /// Rows per batch (one transaction). Default 100.
     pub batch_size: usize,
+    /// Most publishes of one batch awaiting the broker's confirmation at
+    /// once. Only rows of different keys are in flight together: a key's
+    /// next row is published after its previous one was confirmed, so the
+    /// order per (destination, key) does not depend on this. `1` publishes
+    /// one row at a time in `seq` order; `0` counts as `1`. Default 64.
+    pub max_in_flight: usize,
     /// How long to wait between polls when the outbox is empty. PostgreSQL
     /// relays are also woken by `NOTIFY` at once. Default 1 s.
     pub poll_interval: Duration,
@@ -58,6 +65,7 @@ impl Default for RelayOptions {
     fn default() -> Self {
         Self {
             batch_size: 100,
+            max_in_flight: 64,
             poll_interval: Duration::from_secs(1),
             publish_timeout: Duration::from_secs(30),
             initial_backoff: Duration::from_millis(200),
@@ -103,6 +111,9 @@ pub struct BatchReport {
     pub dead: usize,
     /// Whether a publish failed (the row waits for its backoff).
     pub failed: bool,
+    /// Failed publishes that left their row for a retry: at most one per
+    /// key, whose later rows in the batch were not published.
+    pub failures: usize,
 }
 
 /// What [`Relay::run`] did.
@@ -114,7 +125,8 @@ pub struct RelayStats {
     pub published: u64,
     /// Rows moved to the dead-letter table.
     pub dead: u64,
-    /// Failed publishes that left the row for a retry.
+    /// Failed publishes that left the row for a retry (one per key and
+    /// batch at most).
     pub failures: u64,
 }
 
@@ -133,14 +145,19 @@ impl std::fmt::Display for RelayStats {
 ///
 /// Each batch is one transaction: the oldest row of every key that is ready
 /// is locked without waiting (`FOR UPDATE SKIP LOCKED`; SQLite: the write
-/// lock), the rows of the locked keys are published in `seq` order, each
-/// as a [`Message`] with id = the row's `id`, key = `aggregateid`, headers
-/// `event_id` (= id), `event_type` (if set) and the row's headers, and each
-/// [`Publisher::publish`] returns only when the broker accepted it; after a
-/// [`Publisher::flush`] the published rows are deleted and the transaction
-/// commits. The batch stops at the first failed publish: that row gets a
-/// backoff, and its key's later rows wait behind it. Any number of relays
-/// may run on one table.
+/// lock), and the rows of the locked keys are published, each as a
+/// [`Message`] with id = the row's `id`, key = `aggregateid`, headers
+/// `event_id` (= id), `event_type` (if set) and the row's headers; each
+/// [`Publisher::publish`] returns only when the broker accepted it. Rows of
+/// different keys are published concurrently, up to
+/// [`max_in_flight`](RelayOptions::max_in_flight) at once, oldest first;
+/// the rows of one key go strictly one after another in `seq` order (the
+/// next is published only once the broker confirmed the previous one).
+/// After a [`Publisher::flush`] the published rows are deleted and the
+/// transaction commits. A failed publish stops its key for the batch: that
+/// row gets a backoff and the key's later rows wait behind it, while the
+/// other keys of the batch go on. Any number of relays may run on one
+/// table.
 ///
 /// A row is given up — copied to `{prefix}outbox_dead` with the reason and
 /// deleted from the outbox in the batch's transaction, logged at error —
@@ -310,7 +327,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
         let Outcome {
             published,
             dead,
-            failure,
+            failures,
         } = self.publish(&rows).await;
         let flushed = self.flush(&published).await;
         if let Err(e) = flushed {
@@ -336,10 +353,14 @@ impl<DB: OutboxDatabase> Relay<DB> {
             let binds: Vec<Bind<'_>> = chunk.iter().map(|s| Bind::Int(*s)).collect();
             DB::execute(&mut *tx, &st.delete(chunk.len()), &binds).await?;
         }
-        if let Some((row, error)) = &failure {
-            let failures = u32::try_from(row.attempts.saturating_add(1)).unwrap_or(u32::MAX);
-            let delay = self.options.backoff(failures);
-            let retry_at = now.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+        // The backoff runs from now, not from the batch's start: a batch
+        // that publishes many keys may take a while.
+        let failed_at = crate::store::now_ms();
+        for (row, error) in &failures {
+            let failed = u32::try_from(row.attempts.saturating_add(1)).unwrap_or(u32::MAX);
+            let delay = self.options.backoff(failed);
+            let retry_at =
+                failed_at.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
             let binds = [Bind::Int(retry_at), Bind::Text(error), Bind::Int(row.seq)];
             DB::execute(&mut *tx, &st.fail, &binds).await?;
         }
@@ -347,7 +368,8 @@ impl<DB: OutboxDatabase> Relay<DB> {
 
         report.published = published.len();
         report.dead = dead.len();
-        report.failed = failure.is_some();
+        report.failed = !failures.is_empty();
+        report.failures = failures.len();
         for row in &published {
             metrics::counter!("idemq_outbox_published_total", "destination" => row.aggregatetype.clone())
                 .increment(1);
@@ -367,7 +389,7 @@ impl<DB: OutboxDatabase> Relay<DB> {
             );
         }
         metrics::counter!("idemq_outbox_batches_total").increment(1);
-        if let Some((row, error)) = &failure {
+        for (row, error) in &failures {
             metrics::counter!("idemq_outbox_publish_failures_total", "destination" => row.aggregatetype.clone())
                 .increment(1);
             tracing::warn!(
@@ -380,40 +402,77 @@ impl<DB: OutboxDatabase> Relay<DB> {
                 "outbox publish failed; the row and the later rows of its key wait for a retry"
             );
         }
-        tracing::debug!(relay = %self.options.name, published = report.published, dead = report.dead, locked_keys = report.locked_keys, "outbox batch committed");
+        tracing::debug!(relay = %self.options.name, published = report.published, dead = report.dead, failures = report.failures, locked_keys = report.locked_keys, "outbox batch committed");
         Ok(report)
     }
 
-    /// Publishes `rows` in order until the first failure that leaves its
-    /// row for a retry; rows given up on are set aside and the batch goes on.
+    /// Publishes `rows` (in `seq` order, as read): one lane per (destination,
+    /// key), the lanes' rows one after another, up to
+    /// [`max_in_flight`](RelayOptions::max_in_flight) lanes at once. A free
+    /// slot goes to the lane whose next row is the oldest, so with one slot
+    /// this is `seq` order. A failure that leaves its row for a retry ends
+    /// its lane (the key's later rows stay, in order, behind it); rows
+    /// given up on are set aside and their lane goes on.
     async fn publish<'r>(&self, rows: &'r [RawRow]) -> Outcome<'r> {
         let mut outcome = Outcome {
             published: Vec::with_capacity(rows.len()),
             dead: Vec::new(),
-            failure: None,
+            failures: Vec::new(),
         };
+        let mut lanes: Vec<VecDeque<&'r RawRow>> = Vec::new();
+        let mut lane_of: HashMap<(&str, &str), usize> = HashMap::new();
         for row in rows {
-            let (error, permanent) = match self.publish_one(row).await {
-                Ok(()) => {
-                    outcome.published.push(row);
+            let key = (row.aggregatetype.as_str(), row.aggregateid.as_str());
+            let lane = *lane_of.entry(key).or_insert_with(|| {
+                lanes.push(VecDeque::new());
+                lanes.len() - 1
+            });
+            lanes[lane].push_back(row);
+        }
+        // Lanes with a row to publish and none in flight, by that row's seq.
+        let mut waiting: BTreeMap<i64, usize> = lanes
+            .iter()
+            .enumerate()
+            .filter_map(|(lane, rows)| rows.front().map(|row| (row.seq, lane)))
+            .collect();
+        let limit = self.options.max_in_flight.max(1);
+        let mut in_flight = FuturesUnordered::new();
+        loop {
+            while in_flight.len() < limit {
+                let Some((_, lane)) = waiting.pop_first() else {
+                    break;
+                };
+                let Some(row) = lanes[lane].pop_front() else {
                     continue;
-                }
-                Err(failed) => failed,
-            };
-            let attempts = row.attempts.saturating_add(1);
-            let reason = if permanent {
-                format!("permanent publish error: {error}")
-            } else if self.options.exhausted(attempts) {
-                format!("gave up after {attempts} failed publishes: {error}")
-            } else {
-                outcome.failure = Some((row, error));
+                };
+                in_flight.push(async move { (lane, row, self.publish_one(row).await) });
+            }
+            let Some((lane, row, result)) = in_flight.next().await else {
                 break;
             };
-            outcome.dead.push(Dead {
-                row,
-                attempts,
-                reason,
-            });
+            if let Err((error, permanent)) = result {
+                let attempts = row.attempts.saturating_add(1);
+                let reason = if permanent {
+                    format!("permanent publish error: {error}")
+                } else if self.options.exhausted(attempts) {
+                    format!("gave up after {attempts} failed publishes: {error}")
+                } else {
+                    // The key stops here; its later rows stay for later.
+                    outcome.failures.push((row, error));
+                    lanes[lane].clear();
+                    continue;
+                };
+                outcome.dead.push(Dead {
+                    row,
+                    attempts,
+                    reason,
+                });
+            } else {
+                outcome.published.push(row);
+            }
+            if let Some(next) = lanes[lane].front() {
+                waiting.insert(next.seq, lane);
+            }
         }
         outcome
     }
@@ -504,11 +563,13 @@ impl<DB: OutboxDatabase> Relay<DB> {
                     if progress {
                         last_published = Instant::now();
                     }
-                    if report.failed {
-                        stats.failures += 1;
-                        self.options.initial_backoff
-                    } else if progress {
+                    stats.failures += report.failures as u64;
+                    if progress {
+                        // More may be ready; the failed keys wait for
+                        // their own `available_at`.
                         Duration::ZERO
+                    } else if report.failed {
+                        self.options.initial_backoff
                     } else if report.ready_keys > report.locked_keys {
                         // Keys held by other relays: look again soon.
                         self.options.poll_interval.min(Duration::from_millis(50))
@@ -550,13 +611,13 @@ impl<DB: OutboxDatabase> Relay<DB> {
 
 /// What the publishes of one batch did.
 struct Outcome<'r> {
-    /// Rows the broker accepted, in order.
+    /// Rows the broker accepted, in the order it confirmed them.
     published: Vec<&'r RawRow>,
     /// Rows given up on.
     dead: Vec<Dead<'r>>,
-    /// The row that failed and stays for a retry, with the error; the batch
-    /// stopped there.
-    failure: Option<(&'r RawRow, String)>,
+    /// The rows that failed and stay for a retry, with the error, at most
+    /// one per key: each key's publishing stopped there.
+    failures: Vec<(&'r RawRow, String)>,
 }
 
 /// A row given up on.
