@@ -6,10 +6,12 @@
 # Run it twice: the second run applies nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Only the embedded default is compiled here; `cargo build --release -p idemq-cli`
-# builds every backend and broker (and takes several minutes more).
-cargo build -q --release -p idemq-cli --no-default-features --features sqlite
-idemq="${CARGO_TARGET_DIR:-target}/release/idemq"
+# Only the embedded default is compiled here, unoptimised (the `demo` profile:
+# quickest to build, and enough for a dozen messages); `cargo build --release
+# -p idemq-cli` builds the optimised binary with every backend and broker
+# (and takes several minutes more).
+cargo build -q --profile demo -p idemq-cli --no-default-features --features sqlite
+idemq="${CARGO_TARGET_DIR:-target}/demo/idemq"
 
 set -x
 "$idemq" consume examples/payments.jsonl \
