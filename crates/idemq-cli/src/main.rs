@@ -291,6 +291,27 @@ enum Command {
         after_long_help = EXIT_CODES
     )]
     Console(console::ConsoleArgs),
+
+    /// Make any HTTP API idempotent: a reverse proxy applying Idempotency-Key over the store.
+    #[cfg(feature = "proxy")]
+    #[command(
+        long_about = "A reverse proxy in front of an HTTP API (--upstream http://host:port) that \
+            makes its non-idempotent requests idempotent by their Idempotency-Key header \
+            (draft-ietf-httpapi-idempotency-key-header), over the store (--store).\n\n\
+            A covered request (--methods, default POST and PATCH, under --path-prefix, default \
+            every path) is read whole (up to --max-body), its key claimed in the store, scoped \
+            by --scope-header (hashed) if given, and forwarded; the upstream's status, headers \
+            and body are stored with the key, and a retry gets them back without reaching the \
+            upstream (Idempotent-Replayed: true). The same key while the first is in flight: \
+            409; with another body: 422; a covered request without a key: 400 (unless \
+            --optional-key); as RFC 9457 problem details. 5xx answers and dropped connections \
+            release the key. Other requests stream through untouched. If the proxy dies \
+            between forwarding and storing, the retry is forwarded again: the upstream sees \
+            the same Idempotency-Key header and should deduplicate by it. Ctrl-C or SIGTERM \
+            stops it after the requests in flight.",
+        after_long_help = EXIT_CODES
+    )]
+    Proxy(commands::proxy::ProxyArgs),
 }
 
 /// `idemq dlq …`.

@@ -9,6 +9,8 @@ pub(crate) mod generate;
 pub(crate) mod inspect;
 mod migrate;
 mod produce;
+#[cfg(feature = "proxy")]
+pub(crate) mod proxy;
 mod prune;
 mod relay;
 mod release;
@@ -48,6 +50,8 @@ pub async fn run<B: Backend + Clone>(
         Command::Config(command) => config::check(command, global),
         Command::Man => generate::man(),
         Command::Console(args) => crate::console::run(store, global, args).await,
+        #[cfg(feature = "proxy")]
+        Command::Proxy(args) => proxy::run(store, args).await,
     }
 }
 
