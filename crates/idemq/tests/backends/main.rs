@@ -55,6 +55,23 @@ mod redis {
 #[cfg(feature = "redis")]
 mod redis_cluster {
     crate::scenarios::suite!(crate::backend::RedisClusterBackend);
+
+    /// Batch mode on a cluster, where each key's scripts go to its own
+    /// slot's master: the order per key still holds across batches.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn the_first_copy_in_order_wins_across_lease_batches() {
+        crate::scenarios::first_copies_win::<crate::backend::RedisClusterBackend>(
+            8,
+            |consumer, queue| {
+                Box::pin(async move {
+                    let options =
+                        idemq::engine::BatchOptions::new(20, std::time::Duration::from_millis(5));
+                    consumer.run_batched(queue.source(), options).await
+                })
+            },
+        )
+        .await
+    }
 }
 
 mod memory {
