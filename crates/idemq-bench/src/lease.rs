@@ -329,6 +329,86 @@ pub async fn redis_rows(cfg: &Config) -> anyhow::Result<(Vec<Row>, (String, Stri
     ))
 }
 
+/// The Redis Cluster rows (`--only cluster`, the cluster of
+/// `scripts/redis-cluster.sh`): idemq's Redis store on the cluster's three
+/// masters beside the same store on the single Redis, per message and in
+/// batch mode, rounds alternating.
+pub async fn cluster_rows(cfg: &Config) -> anyhow::Result<Vec<Row>> {
+    let section = "Redis Cluster (3 masters, 3 replicas) vs one Redis";
+    progress!("Redis Cluster: idemq store on 3 masters vs one Redis");
+    let prefix = format!("idemq-bench-c{}", std::process::id());
+    let options = || {
+        RedisOptions::default()
+            .prefix(prefix.clone())
+            .retention(Duration::from_millis(TTL_MS))
+    };
+    let single = RedisStore::connect_with(&cfg.redis, options()).await?;
+    let nodes: Vec<&str> = cfg.redis_cluster.split(',').collect();
+    let cluster = RedisStore::connect_cluster(&nodes, options()).await?;
+    let (n, depth, batches) = (cfg.redis_messages, cfg.in_flight, cfg.concurrency);
+    idemq_redis(&single, 200, 1).await?;
+    idemq_redis(&cluster, 200, 1).await?;
+    let mut m: [Vec<f64>; 4] = Default::default();
+    for r in 0..cfg.rounds {
+        let mut order: Vec<usize> = (0..4).collect();
+        if !a_first(r) {
+            order.reverse();
+        }
+        for which in order {
+            let v = match which {
+                0 => idemq_redis(&single, n, depth).await?,
+                1 => idemq_redis(&cluster, n, depth).await?,
+                2 => idemq_redis_batched(&single, n, depth, batches).await?,
+                _ => idemq_redis_batched(&cluster, n, depth, batches).await?,
+            };
+            m[which].push(v);
+        }
+        progress!(
+            "Cluster round {}: one Redis {:.0}, cluster {:.0}; batches: one Redis {:.0}, cluster {:.0}",
+            r + 1,
+            m[0][r], m[1][r], m[2][r], m[3][r]
+        );
+    }
+    let per_message = paired(&m[1], &m[0]);
+    let batched = paired(&m[3], &m[2]);
+    let [single_many, cluster_many, single_batched, cluster_batched] = m.map(|v| median(&v));
+    Ok(vec![
+        Row::new(
+            section,
+            format!("idemq RedisStore on one Redis, {depth} in flight"),
+            n,
+            single_many,
+            "msg/s",
+        ),
+        Row::new(
+            section,
+            format!("idemq RedisStore on the Cluster, {depth} in flight"),
+            n,
+            cluster_many,
+            "msg/s",
+        )
+        .ratio_of(per_message, "one Redis")
+        .target("≥ 2× one Redis (issue 18)".to_owned(), per_message >= 2.0),
+        Row::new(
+            section,
+            format!("idemq RedisStore batch mode on one Redis, batches of {depth}"),
+            n,
+            single_batched,
+            "msg/s",
+        ),
+        Row::new(
+            section,
+            format!(
+                "idemq RedisStore batch mode on the Cluster (a script per key), batches of {depth}"
+            ),
+            n,
+            cluster_batched,
+            "msg/s",
+        )
+        .ratio_of(batched, "one Redis"),
+    ])
+}
+
 /// The in-memory rows: a bare queue drain beside idemq's `MemoryStore`.
 pub async fn memory_rows(cfg: &Config) -> anyhow::Result<Vec<Row>> {
     let section = "In-memory store";

@@ -66,6 +66,13 @@ pub struct Config {
         default_value = "redis://127.0.0.1:6379"
     )]
     pub redis: String,
+    /// Redis Cluster nodes (comma-separated), for the `cluster` section.
+    #[arg(
+        long,
+        env = "IDEMQ_BENCH_REDIS_CLUSTER",
+        default_value = "redis://127.0.0.1:7000,redis://127.0.0.1:7001,redis://127.0.0.1:7002"
+    )]
+    pub redis_cluster: String,
     /// RabbitMQ URL (without `?queue=`); unreachable → the row is skipped.
     #[arg(
         long,
@@ -172,7 +179,7 @@ pub struct Config {
     )]
     pub relay_brokers: Vec<String>,
 
-    /// Sections to run, comma-separated: sql, claim, redis, memory, e2e, relay.
+    /// Sections to run, comma-separated: sql, claim, redis, cluster, memory, e2e, relay.
     #[arg(
         long,
         value_delimiter = ',',
@@ -369,6 +376,13 @@ async fn main() -> anyhow::Result<()> {
         let (r, v) = lease::redis_rows(&cfg).await.context("Redis rows")?;
         rows.extend(r);
         versions.push(v);
+    }
+    if cfg.runs("cluster") {
+        rows.extend(
+            lease::cluster_rows(&cfg)
+                .await
+                .context("Redis Cluster rows")?,
+        );
     }
     if cfg.runs("memory") {
         rows.extend(lease::memory_rows(&cfg).await.context("memory rows")?);
