@@ -60,8 +60,9 @@ impl Default for HeaderSelection {
     }
 }
 
-/// Connection-specific headers (RFC 9110 §7.6.1), never stored.
-const HOP_BY_HOP: [&str; 8] = [
+/// Connection-specific headers (RFC 9110 §7.6.1), never stored (and
+/// never forwarded by a proxy).
+pub const HOP_BY_HOP: [&str; 8] = [
     "connection",
     "keep-alive",
     "proxy-authenticate",

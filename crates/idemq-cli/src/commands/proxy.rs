@@ -14,6 +14,7 @@ use anyhow::{Context, Result};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderName, HeaderValue, Method, Response, StatusCode, Uri};
+use axum::serve::ListenerExt;
 use axum::Router;
 use bytes::Bytes;
 use clap::Args;
@@ -21,22 +22,11 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use idemq::store::Store;
+use idemq_http::config::HOP_BY_HOP;
 use idemq_http::{hashed_header_scope, Idempotency};
 
 use crate::interrupt::Interrupt;
 use crate::ops;
-
-/// Headers that belong to one connection, never forwarded (RFC 9110 7.6.1).
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
 
 /// `idemq proxy`.
 #[derive(Debug, Args)]
@@ -102,7 +92,9 @@ fn parse_upstream(text: &str) -> Result<Uri, String> {
         .parse()
         .map_err(|e| format!("{text:?} is not a URL: {e}"))?;
     if uri.scheme_str() != Some("http") {
-        return Err("the upstream must be http://host:port (TLS ends in front of the proxy)".into());
+        return Err(
+            "the upstream must be http://host:port (TLS ends in front of the proxy)".into(),
+        );
     }
     if uri.authority().is_none() || !matches!(uri.path(), "" | "/") {
         return Err("the upstream is http://host:port, without a path".into());
@@ -153,7 +145,7 @@ where
     }
     let proxy = std::sync::Arc::new(Proxy {
         idempotency,
-        client: Client::builder(TokioExecutor::new()).build_http(),
+        client: Client::builder(TokioExecutor::new()).build(upstream_connector()),
         upstream: args.upstream.clone(),
         prefixes: args.path_prefixes.clone(),
         timeout: args.upstream_timeout,
@@ -163,13 +155,30 @@ where
         .await
         .map_err(|e| crate::exit::usage(format!("--listen {}: {e}", args.listen)))?;
     let bound = listener.local_addr().context("reading the bound address")?;
-    eprintln!("idemq proxy: listening on {bound}, forwarding to {}", args.upstream);
+    // Small writes (a header block, then a body) go out at once.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
+        }
+    });
+    eprintln!(
+        "idemq proxy: listening on {bound}, forwarding to {}",
+        args.upstream
+    );
     let interrupt = Interrupt::listen();
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { interrupt.wait().await })
         .await
         .context("serving")?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The connector to the upstream: plain HTTP, `TCP_NODELAY` so that a
+/// request's head and body are not held back by Nagle's algorithm.
+fn upstream_connector() -> HttpConnector {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector
 }
 
 /// One request: through the layer when it is covered, else streamed.
@@ -226,7 +235,10 @@ async fn forward<S: Store>(proxy: &Proxy<S>, request: Request) -> Response<Body>
     let mut target = proxy.upstream.clone().into_parts();
     target.path_and_query = path.parse().ok();
     let Ok(uri) = Uri::from_parts(target) else {
-        return problem(StatusCode::BAD_REQUEST, "the request path cannot be forwarded");
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "the request path cannot be forwarded",
+        );
     };
     parts.uri = uri;
     strip_hop_by_hop(&mut parts.headers);

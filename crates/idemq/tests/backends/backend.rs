@@ -408,29 +408,7 @@ impl Backend for RedisBackend {
 
     async fn cleanup(self) {
         let mut conn = self.store.connection().clone();
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(format!("{}:*", self.prefix))
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut conn)
-                .await
-                .expect("scan");
-            if !keys.is_empty() {
-                let _: i64 = redis::cmd("DEL")
-                    .arg(&keys)
-                    .query_async(&mut conn)
-                    .await
-                    .expect("del");
-            }
-            if next == 0 {
-                break;
-            }
-            cursor = next;
-        }
+        unlink_matching(&mut conn, &format!("{}:*", self.prefix)).await;
     }
 }
 
@@ -477,8 +455,7 @@ impl Backend for RedisClusterBackend {
         self.0.ledger().await
     }
 
-    /// Unlinks the prefix's keys on every master, one key at a time (a
-    /// cluster node refuses a multi-key command across slots).
+    /// Unlinks the prefix's keys on every master (each node's own keys).
     async fn cleanup(self) {
         for port in 7000..=7005 {
             let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}")) else {
@@ -491,29 +468,38 @@ impl Backend for RedisClusterBackend {
                 .query_async(&mut conn)
                 .await
                 .unwrap_or_default();
-            if !matches!(role.first(), Some(redis::Value::BulkString(r)) if r == b"master") {
-                continue;
-            }
-            let mut cursor: u64 = 0;
-            loop {
-                let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(format!("*{}*", self.0.prefix))
-                    .arg("COUNT")
-                    .arg(1000)
-                    .query_async(&mut conn)
-                    .await
-                    .expect("scan");
-                for key in keys {
-                    let _: Result<i64, _> =
-                        redis::cmd("UNLINK").arg(&key).query_async(&mut conn).await;
-                }
-                if next == 0 {
-                    break;
-                }
-                cursor = next;
+            if matches!(role.first(), Some(redis::Value::BulkString(r)) if r == b"master") {
+                unlink_matching(&mut conn, &format!("{}:*", self.0.prefix)).await;
             }
         }
+    }
+}
+
+/// Unlinks every key matching `pattern` on the node behind `conn`, one key
+/// at a time (a cluster node refuses a multi-key command across slots).
+#[cfg(feature = "redis")]
+async fn unlink_matching(conn: &mut impl redis::aio::ConnectionLike, pattern: &str) {
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await
+            .expect("scan");
+        for key in keys {
+            let _: i64 = redis::cmd("UNLINK")
+                .arg(&key)
+                .query_async(conn)
+                .await
+                .expect("unlink");
+        }
+        if next == 0 {
+            break;
+        }
+        cursor = next;
     }
 }
