@@ -134,7 +134,10 @@ async fn the_proxy_makes_a_plain_api_idempotent() {
     assert_eq!(up.orders.load(Ordering::SeqCst), 1, "one side effect");
     let first = &answers[0];
     assert_eq!(first.0, 201, "{answers:?}");
-    assert!(answers.iter().all(|a| a.0 == 201 && a.2 == first.2), "{answers:?}");
+    assert!(
+        answers.iter().all(|a| a.0 == 201 && a.2 == first.2),
+        "{answers:?}"
+    );
     assert_eq!(
         answers.iter().filter(|a| !a.1).count(),
         1,
@@ -155,7 +158,11 @@ async fn the_proxy_makes_a_plain_api_idempotent() {
         .await
         .unwrap();
     assert_eq!(other.status().as_u16(), 201);
-    assert_eq!(up.orders.load(Ordering::SeqCst), 2, "tenant-b's key is its own");
+    assert_eq!(
+        up.orders.load(Ordering::SeqCst),
+        2,
+        "tenant-b's key is its own"
+    );
 
     // GET streams through, every time, with the upstream's Host.
     for _ in 0..2 {
@@ -166,7 +173,10 @@ async fn the_proxy_makes_a_plain_api_idempotent() {
             .unwrap();
         assert_eq!(read.status().as_u16(), 200);
         let text = read.text().await.unwrap();
-        assert!(text.contains(&format!("host 127.0.0.1:{upstream_port}")), "{text}");
+        assert!(
+            text.contains(&format!("host 127.0.0.1:{upstream_port}")),
+            "{text}"
+        );
     }
     assert_eq!(up.reads.load(Ordering::SeqCst), 2);
 
