@@ -100,6 +100,9 @@ pub fn floor_violation(
 
 /// Prunes every `interval` in the background until the handle is aborted.
 /// Failures are logged and retried at the next tick.
+///
+/// This does not check `policy.keep_for` against any broker: [`Pruner`]
+/// does, and refuses to start under a source's redelivery horizon.
 pub fn spawn_pruner<A>(
     store: Arc<A>,
     policy: RetentionPolicy,
@@ -118,6 +121,118 @@ where
             }
         }
     })
+}
+
+/// A retention that would let a late duplicate through: `keep_for` under
+/// a source's redelivery horizon or under the configured floor.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("refusing to prune: {why}")]
+pub struct FloorViolation {
+    /// Which horizon or floor, and by how much (see [`floor_violation`]).
+    pub why: String,
+}
+
+/// The background pruner, checked: it refuses to start when the policy's
+/// `keep_for` is under the redelivery horizon of a source it is told about
+/// (read from the broker: [`BrokerHealth::horizon`](crate::source::health::BrokerHealth))
+/// or under an operator's floor, unless forced, as `idemq prune` does.
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use idemq::retention::Pruner;
+/// use idemq::source::health::Horizon;
+/// use idemq::store::memory::MemoryStore;
+/// use idemq::RetentionPolicy;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let store = Arc::new(MemoryStore::new());
+/// let week = Duration::from_secs(7 * 86_400);
+/// let kafka = Horizon::Bounded { limit: week, setting: "topic payments retention.ms=604800000".into() };
+///
+/// let mut policy = RetentionPolicy::default();
+/// policy.keep_for = Duration::from_secs(86_400);
+/// let refused = Pruner::new(Arc::clone(&store), policy.clone())
+///     .source("kafka payments", kafka.clone())
+///     .spawn();
+/// assert!(refused.is_err());
+///
+/// policy.keep_for = week;
+/// let pruner = Pruner::new(store, policy)
+///     .every(Duration::from_secs(3600))
+///     .source("kafka payments", kafka)
+///     .spawn()
+///     .unwrap();
+/// pruner.abort();
+/// # }
+/// ```
+#[derive(Debug)]
+#[must_use = "a Pruner does nothing until spawned"]
+pub struct Pruner<A> {
+    store: Arc<A>,
+    policy: RetentionPolicy,
+    interval: Duration,
+    horizons: Vec<(String, Horizon)>,
+    floor: Option<Duration>,
+    force: bool,
+}
+
+impl<A: StoreAdmin + 'static> Pruner<A> {
+    /// A pruner of `store` with `policy`, every hour, checked against no
+    /// source yet.
+    pub fn new(store: Arc<A>, policy: RetentionPolicy) -> Self {
+        Self {
+            store,
+            policy,
+            interval: Duration::from_secs(3600),
+            horizons: Vec::new(),
+            floor: None,
+            force: false,
+        }
+    }
+
+    /// Prunes every `interval` (default one hour).
+    pub fn every(mut self, interval: Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+
+    /// A source whose consumers write to this inbox, named as it should
+    /// appear in the refusal, with the horizon read from its broker.
+    pub fn source(mut self, name: impl Into<String>, horizon: Horizon) -> Self {
+        self.horizons.push((name.into(), horizon));
+        self
+    }
+
+    /// The operator's floor, for brokers whose horizon cannot be read.
+    pub fn floor(mut self, floor: Duration) -> Self {
+        self.floor = Some(floor);
+        self
+    }
+
+    /// Starts even under a horizon or the floor, with a warning.
+    pub fn force(mut self) -> Self {
+        self.force = true;
+        self
+    }
+
+    /// Checks the retention, then prunes in the background until the
+    /// handle is aborted.
+    pub fn spawn(self) -> Result<tokio::task::JoinHandle<()>, FloorViolation> {
+        let named: Vec<(&str, &Horizon)> = self
+            .horizons
+            .iter()
+            .map(|(name, horizon)| (name.as_str(), horizon))
+            .collect();
+        if let Some(why) = floor_violation(self.policy.keep_for, &named, self.floor) {
+            if !self.force {
+                return Err(FloorViolation { why });
+            }
+            tracing::warn!("pruning anyway (forced): {why}");
+        }
+        Ok(spawn_pruner(self.store, self.policy, self.interval))
+    }
 }
 
 #[cfg(test)]
@@ -151,5 +266,41 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         pruner.abort();
         assert!(store.stats().await.unwrap().is_empty(), "all rows pruned");
+    }
+
+    #[tokio::test]
+    async fn the_checked_pruner_refuses_under_a_horizon_or_floor_unless_forced() {
+        let store = Arc::new(MemoryStore::new());
+        let day = Duration::from_secs(86_400);
+        let sqs = Horizon::Bounded {
+            limit: day * 4,
+            setting: "queue q MessageRetentionPeriod=345600".into(),
+        };
+        let policy = RetentionPolicy {
+            keep_for: day,
+            ..RetentionPolicy::default()
+        };
+        let refused = Pruner::new(Arc::clone(&store), policy.clone())
+            .source("sqs q", sqs.clone())
+            .spawn()
+            .unwrap_err();
+        assert!(refused.why.contains("sqs q") && refused.why.contains("4d"), "{refused}");
+        let under_floor = Pruner::new(Arc::clone(&store), policy.clone())
+            .floor(day * 2)
+            .spawn()
+            .unwrap_err();
+        assert!(under_floor.why.contains("floor"), "{under_floor}");
+        let unknown = Horizon::Unknown { why: "not read".into() };
+        Pruner::new(Arc::clone(&store), policy.clone())
+            .source("mqtt", unknown)
+            .spawn()
+            .unwrap()
+            .abort();
+        Pruner::new(store, policy)
+            .source("sqs q", sqs)
+            .force()
+            .spawn()
+            .unwrap()
+            .abort();
     }
 }
