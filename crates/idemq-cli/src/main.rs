@@ -905,14 +905,16 @@ pub(crate) async fn dispatch(cli: Cli) -> Result<ExitCode> {
             use idemq::store::redis::{RedisOptions, RedisStore};
             // `idemq_` → keys `idemq:{consumer/key}:…`.
             let prefix = global.table_prefix.trim_end_matches('_');
-            let options =
-                RedisOptions::default().prefix(if prefix.is_empty() { "idemq" } else { prefix });
-            let connected = match backend::cluster_nodes(&url.url) {
+            let (options, plain) = RedisOptions::default()
+                .prefix(if prefix.is_empty() { "idemq" } else { prefix })
+                .with_url_params(&url.url)
+                .map_err(|e| backend::connect_error(&url, e))?;
+            let connected = match backend::cluster_nodes(&plain) {
                 Some(nodes) => {
                     let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
                     RedisStore::connect_cluster(&nodes, options).await
                 }
-                None => RedisStore::connect_with(&url.url, options).await,
+                None => RedisStore::connect_with(&plain, options).await,
             };
             let store = connected.map_err(|e| backend::connect_error(&url, e))?;
             commands::run(store, &url, &global, command).await

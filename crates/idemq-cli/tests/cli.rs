@@ -1043,11 +1043,14 @@ fn redis_store_consumes_once_and_reports() {
 }
 
 /// The same on the Redis Cluster of `scripts/redis-cluster.sh`, named by two
-/// of its nodes.
+/// of its nodes, each write acknowledged by its master's replica
+/// (`wait_replicas=1`: `WAIT` after every claim and completion).
 #[cfg(feature = "redis")]
 #[test]
 fn a_redis_cluster_store_consumes_once_and_reports() {
-    redis_store_round_trip("redis+cluster://127.0.0.1:7000,127.0.0.1:7001");
+    redis_store_round_trip(
+        "redis+cluster://127.0.0.1:7000,127.0.0.1:7001?wait_replicas=1&wait_timeout_ms=2000",
+    );
 }
 
 #[cfg(feature = "redis")]

@@ -65,7 +65,7 @@ pub(crate) fn encode_param(value: &str) -> String {
 
 /// `url` without its query parameter `name`, and that parameter's value
 /// as written.
-fn take_param(url: &str, name: &str) -> (String, Option<String>) {
+pub(crate) fn take_param(url: &str, name: &str) -> (String, Option<String>) {
     let (head, fragment) = match url.split_once('#') {
         Some((h, f)) => (h, Some(f)),
         None => (url, None),

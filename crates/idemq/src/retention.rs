@@ -284,13 +284,18 @@ mod tests {
             .source("sqs q", sqs.clone())
             .spawn()
             .unwrap_err();
-        assert!(refused.why.contains("sqs q") && refused.why.contains("4d"), "{refused}");
+        assert!(
+            refused.why.contains("sqs q") && refused.why.contains("4d"),
+            "{refused}"
+        );
         let under_floor = Pruner::new(Arc::clone(&store), policy.clone())
             .floor(day * 2)
             .spawn()
             .unwrap_err();
         assert!(under_floor.why.contains("floor"), "{under_floor}");
-        let unknown = Horizon::Unknown { why: "not read".into() };
+        let unknown = Horizon::Unknown {
+            why: "not read".into(),
+        };
         Pruner::new(Arc::clone(&store), policy.clone())
             .source("mqtt", unknown)
             .spawn()

@@ -1038,3 +1038,79 @@ async fn a_failover_and_a_slot_migration_mid_run_lose_nothing_on_a_cluster() {
     // Put the slots back, so that runs do not drift the layout.
     reshard(&to, &from, moved).await;
 }
+
+/// `wait_for_replicas` on the single test Redis, which has no replica: a
+/// claim is refused with a transient error naming `WAIT` and leaves no
+/// lease behind, so the same key is claimed at once without the option.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_replicas_refuses_a_claim_no_replica_acknowledged_and_releases_it() {
+    let prefix = unique("rw");
+    let waiting = RedisStore::connect_with(
+        &redis_url(),
+        options(&prefix).wait_for_replicas(1, Duration::from_millis(50)),
+    )
+    .await
+    .expect("connect to Redis");
+    let e = match waiting.claim(&req("p-1", Duration::from_secs(30))).await {
+        Err(e) => e,
+        Ok(_) => panic!("a claim no replica acknowledged was answered"),
+    };
+    assert_eq!(e.kind(), StoreErrorKind::Transient, "{e}");
+    assert!(e.to_string().contains("0 of 1 replicas"), "{e}");
+    let plain = RedisStore::connect_with(&redis_url(), options(&prefix))
+        .await
+        .expect("connect to Redis");
+    let Ok(Claim::New(lease)) = plain.claim(&req("p-1", Duration::from_secs(30))).await else {
+        panic!("the refused claim left its lease behind")
+    };
+    plain
+        .commit(lease, &req("p-1", Duration::from_secs(30)), None)
+        .await
+        .unwrap();
+    cleanup(&plain, &prefix).await;
+}
+
+/// `wait_for_replicas(1, …)` on the cluster (one replica per master):
+/// per-message and batch consumers apply 300 duplicated payments once,
+/// every claim and completion acknowledged by the key's master's replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn wait_for_replicas_on_a_cluster_applies_everything_once() {
+    let nodes = cluster_nodes();
+    let nodes: Vec<&str> = nodes.iter().map(String::as_str).collect();
+    let prefix = unique("rcw");
+    let store = RedisStore::connect_cluster(
+        &nodes,
+        options(&prefix).wait_for_replicas(1, Duration::from_secs(2)),
+    )
+    .await
+    .expect("connect to the Redis Cluster (scripts/redis-cluster.sh)");
+    let effects = Effects::default();
+    let (messages, expected) = duplicated(300, serde_json::json!({}));
+    let queue = queue_of(&messages);
+    let per_message = redis_consumer(&store, &effects)
+        .concurrency(4)
+        .build()
+        .unwrap();
+    let batched = redis_consumer(&store, &effects)
+        .concurrency(4)
+        .build()
+        .unwrap();
+    let (a, b) = tokio::join!(
+        per_message.run(queue.source()),
+        batched.run_batched(
+            queue.source(),
+            idemq::engine::BatchOptions::new(20, Duration::from_millis(5))
+        )
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(
+        a.count(OutcomeKind::Processed) + b.count(OutcomeKind::Processed),
+        expected.len() as u64
+    );
+    assert_eq!(
+        queue.acked(),
+        messages.len() as u64,
+        "every delivery settled"
+    );
+    assert_eq!(effects.assert_fenced_once(&expected, 0), 0);
+}

@@ -525,6 +525,15 @@ impl RedisStore {
             };
             answers.push(answer);
         }
+        if let (false, Some(ack)) = (held.is_empty(), &self.options.replica_ack) {
+            // Every master of the batch's keys (one WAIT on a single Redis).
+            if let Err(e) = self.conn.wait_for_replicas(None, ack).await {
+                if let Err(release) = release_now(&mut self.conn(), &held).await {
+                    tracing::warn!(error = %release, "releasing leases the replicas did not acknowledge failed; they expire after one lease");
+                }
+                return Err(e);
+            }
+        }
         if !held.is_empty() {
             lock(&group.held).extend(held);
             group.start_heartbeat();
@@ -592,6 +601,9 @@ impl RedisStore {
             if !ok {
                 d.lease.lost.store(true, Ordering::SeqCst);
             }
+        }
+        if let (true, Some(ack)) = (flags.contains(&true), &self.options.replica_ack) {
+            self.conn.wait_for_replicas(None, ack).await?;
         }
         Ok(flags)
     }

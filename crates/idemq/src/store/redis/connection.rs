@@ -61,6 +61,51 @@ impl RedisConnection {
     }
 }
 
+impl RedisConnection {
+    /// `WAIT`s for `ack.replicas` replicas to acknowledge this connection's
+    /// writes: on a single Redis on the shared connection that wrote them;
+    /// on a Cluster at the master of `key`'s slot, or at every master (the
+    /// fewest acknowledgements counting) when `key` is `None`. Fewer within
+    /// the timeout is a transient error.
+    pub(super) async fn wait_for_replicas(
+        &self,
+        key: Option<&str>,
+        ack: &super::ReplicaAck,
+    ) -> Result<(), StoreError> {
+        let timeout_ms = u64::try_from(ack.timeout.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(ack.replicas).arg(timeout_ms);
+        let acknowledged: i64 = match (&self.0, key) {
+            (Conn::Cluster(conn), Some(key)) => {
+                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+                let route = Route::with_key(key, SlotAddr::Master);
+                let reply = conn
+                    .clone()
+                    .route_command(
+                        wait,
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+                    )
+                    .await
+                    .map_err(map_err)?;
+                redis::from_redis_value(reply).map_err(|e| map_err(e.into()))?
+            }
+            _ => wait.query_async(&mut self.clone()).await.map_err(map_err)?,
+        };
+        if acknowledged < i64::from(ack.replicas) {
+            return Err(StoreError::new(
+                StoreErrorKind::Transient,
+                format!(
+                    "{acknowledged} of {} replicas acknowledged the write within {timeout_ms} ms (WAIT)",
+                    ack.replicas
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl ConnectionLike for RedisConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match &mut self.0 {

@@ -135,7 +135,7 @@ mod unit;
 
 pub use connection::RedisConnection;
 pub use lease::RedisLease;
-pub use options::RedisOptions;
+pub use options::{RedisOptions, ReplicaAck};
 pub use store::RedisStore;
 pub use unit::RedisUnit;
 

@@ -115,6 +115,23 @@ impl RedisStore {
             .saturating_sub(i64::try_from(self.options.retention.as_millis()).unwrap_or(i64::MAX))
     }
 
+    /// With [`RedisOptions::wait_for_replicas`], waits for the replicas of
+    /// the master holding `consumer`/`key` (any key of the batch on a single
+    /// Redis); without, answers at once.
+    pub(super) async fn wait_for_replicas(
+        &self,
+        consumer: &str,
+        key: &str,
+    ) -> Result<(), StoreError> {
+        match &self.options.replica_ack {
+            Some(ack) => {
+                let rec = self.keys.scoped(consumer, key, "rec");
+                self.conn.wait_for_replicas(Some(&rec), ack).await
+            }
+            None => Ok(()),
+        }
+    }
+
     pub(super) async fn query<T: redis::FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
         cmd.query_async(&mut self.conn()).await.map_err(map_err)
     }
@@ -155,7 +172,7 @@ impl Store for RedisStore {
                 let lost = Arc::new(AtomicBool::new(false));
                 let heartbeat =
                     self.start_heartbeat(req.consumer, req.key, &token, req.lease, lost.clone());
-                Ok(Claim::New(RedisLease {
+                let lease = RedisLease {
                     consumer: req.consumer.to_owned(),
                     key: req.key.to_owned(),
                     fencing,
@@ -169,7 +186,10 @@ impl Store for RedisStore {
                         token: token.clone(),
                     }),
                     token,
-                }))
+                };
+                // A lease the replicas did not get is released (on drop).
+                self.wait_for_replicas(req.consumer, req.key).await?;
+                Ok(Claim::New(lease))
             }
             _ => Err(StoreError::new(
                 StoreErrorKind::Other,
@@ -202,6 +222,7 @@ impl Store for RedisStore {
             lease.lost.store(true, Ordering::SeqCst);
             return Err(StoreError::lease_lost(&lease.key));
         }
+        self.wait_for_replicas(c, k).await?;
         // The consumer's index: add the key, renew the TTL, trim entries
         // first seen before the retention window (their records are expired
         // or about to).
