@@ -257,6 +257,9 @@ async fn drive(
 
     let mut producer = None;
     let mut push = None;
+    // The topics whose consume offsets are committed at shutdown: the
+    // subscribed topic and the group's retry topic.
+    let mut offset_topics: Vec<String> = Vec::new();
     // The consumer's lag reader and how often it reads (none: not read).
     let mut lag: Option<(LagReader, tokio::time::Interval)> = None;
     let mut started: Result<(), SourceError> = Ok(());
@@ -303,6 +306,7 @@ async fn drive(
         match result {
             Ok(()) => {
                 push = Some(c);
+                offset_topics = vec![config.topic.clone(), format!("%RETRY%{}", config.group)];
                 if !config.lag_interval.is_zero() {
                     let mut ticks = tokio::time::interval(config.lag_interval);
                     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -359,6 +363,7 @@ async fn drive(
     }
     requests.close();
     if let Some(mut c) = push {
+        commit_offsets(&c, &offset_topics).await;
         c.shutdown().await;
     }
     if let Some(mut p) = producer {
@@ -367,6 +372,51 @@ async fn drive(
     let report = client.shutdown().await;
     if !report.is_healthy() {
         tracing::debug!(report = %report.to_json(), "RocketMQ client shutdown report");
+    }
+}
+
+/// How long committing one queue's offset at shutdown may take.
+const OFFSET_COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Commits the consumer's offsets of `topics` to the broker and waits for
+/// its answers, before the consumer shuts down.
+///
+/// The client's own shutdown sends them *one-way*: the process can exit (and
+/// a consumer started right after can read the broker's offsets) before the
+/// broker has applied them, so what was settled would be delivered again
+/// (and answered "duplicate" by the inbox). The one-way send that follows in
+/// the client's shutdown still covers a delivery settled after this snapshot.
+async fn commit_offsets(consumer: &DefaultMQPushConsumer, topics: &[String]) {
+    let Some(store) = consumer.offset_store() else {
+        return;
+    };
+    for topic in topics {
+        for (queue, offset) in store.clone_offset_table(topic).await {
+            if offset < 0 {
+                continue;
+            }
+            let committed = tokio::time::timeout(
+                OFFSET_COMMIT_TIMEOUT,
+                store.update_consume_offset_to_broker(&queue, offset, false),
+            )
+            .await;
+            match committed {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(
+                    topic = %topic,
+                    queue = queue.queue_id(),
+                    offset,
+                    error = %e,
+                    "RocketMQ: committing a consume offset at shutdown failed; what followed it is delivered again"
+                ),
+                Err(_) => tracing::warn!(
+                    topic = %topic,
+                    queue = queue.queue_id(),
+                    offset,
+                    "RocketMQ: no answer to a consume offset commit at shutdown within {OFFSET_COMMIT_TIMEOUT:?}; what followed it may be delivered again"
+                ),
+            }
+        }
     }
 }
 

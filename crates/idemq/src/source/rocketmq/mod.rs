@@ -52,10 +52,13 @@
 //! - At most [`RocketMqConfig::consume_threads`] deliveries are unsettled at
 //!   once (one message per listener call); the engine's own `concurrency`
 //!   caps this further.
-//! - The client persists consumer offsets every 5 s and on shutdown; the
-//!   offset never passes a message still being consumed. A process that is
-//!   killed has everything since the last persisted offset delivered again,
-//!   and the inbox answers "duplicate" for what had committed.
+//! - The client persists consumer offsets every 5 s (one-way); at close the
+//!   source commits them and waits for the broker's answers before the
+//!   consumer leaves, so a consumer started right after does not get what
+//!   was settled again. The offset never passes a message still being
+//!   consumed. A process that is killed has everything since the last
+//!   persisted offset delivered again, and the inbox answers "duplicate" for
+//!   what had committed.
 //! - Dropping the source (or [`RocketMqSource::shutdown`]) shuts the push
 //!   consumer down in the background: it persists the offsets and leaves the
 //!   group, and the broker rebalances the queues to the other members.
