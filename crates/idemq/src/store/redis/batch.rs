@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use redis::{RedisError, Script};
 
-use super::{done_value, map_err, millis, Conn, RedisConnection, RedisLease, RedisStore, Scripts};
+use super::{done_value, map_err, millis, RedisConnection, RedisLease, RedisStore, Scripts};
 use crate::error::StoreErrorKind;
 use crate::store::{now_ms, Claim, StoreError};
 
@@ -191,10 +191,6 @@ fn lock(held: &Mutex<Vec<Held>>) -> MutexGuard<'_, Vec<Held>> {
     held.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn is_single(conn: &RedisConnection) -> bool {
-    matches!(conn.0, Conn::Single(_))
-}
-
 /// Extends every lease in `held` once; returns per lease whether it still held.
 async fn extend(
     conn: &mut RedisConnection,
@@ -202,7 +198,7 @@ async fn extend(
     held: &[Held],
     lease_ms: u64,
 ) -> Result<Vec<bool>, RedisError> {
-    if is_single(conn) {
+    if conn.is_single() {
         let mut invocation = batch_scripts().extend.prepare_invoke();
         invocation.arg(lease_ms);
         for h in held {
@@ -240,7 +236,7 @@ async fn release(
     if held.is_empty() {
         return Ok(());
     }
-    if is_single(conn) {
+    if conn.is_single() {
         let mut invocation = batch_scripts().release.prepare_invoke();
         for h in held {
             invocation.key(&h.rec).arg(&h.token);
@@ -270,7 +266,7 @@ async fn release(
 /// the release of a dropped batch is queued on the connection at once, even
 /// if Redis has not cached the script, before anything sent after the drop.
 async fn release_now(conn: &mut RedisConnection, held: &[Held]) -> Result<(), RedisError> {
-    if is_single(conn) {
+    if conn.is_single() {
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(BATCH_RELEASE).arg(held.len());
         for h in held {
@@ -429,7 +425,7 @@ impl RedisStore {
             .iter()
             .map(|(key, _)| self.keys.scoped(consumer, key, "rec"))
             .collect();
-        let replies: Vec<Vec<String>> = if is_single(&self.conn) {
+        let replies: Vec<Vec<String>> = if self.conn.is_single() {
             let mut invocation = batch_scripts().claim.prepare_invoke();
             invocation
                 .arg(&prefix)
@@ -562,7 +558,7 @@ impl RedisStore {
             .map(|d| d.lease.consumer.as_str())
             .or_else(|| failed.first().map(|l| l.consumer.as_str()))
             .unwrap_or_default();
-        let mut flags: Vec<bool> = if is_single(&self.conn) {
+        let mut flags: Vec<bool> = if self.conn.is_single() {
             let mut invocation = batch_scripts().complete.prepare_invoke();
             invocation
                 .key(self.keys.consumer(consumer, "done"))
@@ -663,28 +659,12 @@ impl RedisStore {
             .map(|(d, _)| &d.lease)
             .collect();
         if let Some(first) = completed.first() {
-            let c = first.consumer.as_str();
-            let done_index = self.keys.consumer(c, "done");
-            let failing = self.keys.consumer(c, "failing");
-            let mut pipe = redis::pipe();
-            let zadd = pipe.cmd("ZADD").arg(&done_index);
-            for l in &completed {
-                zadd.arg(l.first_seen_ms).arg(&l.key);
-            }
-            zadd.ignore();
-            pipe.cmd("PEXPIRE").arg(&done_index).arg(retention).ignore();
-            pipe.cmd("ZREMRANGEBYSCORE")
-                .arg(&done_index)
-                .arg("-inf")
-                .arg(format!("({}", self.retention_horizon()))
-                .ignore();
-            let srem = pipe.cmd("SREM").arg(&failing);
-            for l in &completed {
-                srem.arg(&l.key);
-            }
-            srem.ignore();
-            self.index("done", &pipe).await;
-            self.add_consumer(c).await;
+            let keys: Vec<(i64, &str)> = completed
+                .iter()
+                .map(|l| (l.first_seen_ms, l.key.as_str()))
+                .collect();
+            self.index_completed(&first.consumer, &keys, self.options.retention)
+                .await;
         }
         Ok(flags)
     }

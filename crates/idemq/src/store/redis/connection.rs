@@ -62,6 +62,12 @@ impl RedisConnection {
 }
 
 impl RedisConnection {
+    /// Whether this is a connection to one Redis (not a Cluster), where
+    /// keys of any slot go together in one script or pipeline.
+    pub(super) fn is_single(&self) -> bool {
+        matches!(self.0, Conn::Single(_))
+    }
+
     /// `WAIT`s for `ack.replicas` replicas to acknowledge this connection's
     /// writes: on a single Redis on the shared connection that wrote them;
     /// on a Cluster at the master of `key`'s slot, or at every master (the

@@ -145,7 +145,6 @@ pub(crate) use records::{parse_done, record_json};
 
 // The sibling files (and the batch claims, `batch.rs`) reach these
 // through `super::`.
-use connection::Conn;
 use lease::DropRelease;
 use records::{attempt_record, decode_dead_letter, done_value, encode_dead_letter};
 use scripts::{millis, Scripts, RELEASE};

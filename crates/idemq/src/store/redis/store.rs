@@ -3,6 +3,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use redis::{Cmd, RedisError};
@@ -80,6 +81,55 @@ impl RedisStore {
         let r: Result<(), RedisError> = pipe.query_async(&mut self.conn()).await;
         if let Err(e) = r {
             tracing::warn!(error = %e, "updating the Redis {what} index failed");
+        }
+    }
+
+    /// Updates the admin indexes of `consumer`'s newly completed `keys`
+    /// (each with its first-seen time), best effort: the keys into the
+    /// consumer's done index (its TTL renewed to `retention`, entries first
+    /// seen before the retention window trimmed: their records are expired
+    /// or about to), out of its failing set, and the consumer into the set
+    /// of consumers. On one Redis that is one pipeline, so a completion costs
+    /// one round trip beyond its script; on a Redis Cluster the consumer's
+    /// own keys (one slot) and the set of consumers (another) go at once.
+    pub(super) async fn index_completed(
+        &self,
+        consumer: &str,
+        keys: &[(i64, &str)],
+        retention: Duration,
+    ) {
+        let done_index = self.keys.consumer(consumer, "done");
+        let mut pipe = redis::pipe();
+        let zadd = pipe.cmd("ZADD").arg(&done_index);
+        for (first_seen_ms, key) in keys {
+            zadd.arg(*first_seen_ms).arg(*key);
+        }
+        zadd.ignore();
+        pipe.cmd("PEXPIRE")
+            .arg(&done_index)
+            .arg(millis(retention))
+            .ignore();
+        pipe.cmd("ZREMRANGEBYSCORE")
+            .arg(&done_index)
+            .arg("-inf")
+            .arg(format!("({}", self.retention_horizon()))
+            .ignore();
+        let srem = pipe
+            .cmd("SREM")
+            .arg(self.keys.consumer(consumer, "failing"));
+        for (_, key) in keys {
+            srem.arg(*key);
+        }
+        srem.ignore();
+        if !self.conn.is_single() {
+            futures_util::future::join(self.index("done", &pipe), self.add_consumer(consumer))
+                .await;
+        } else {
+            pipe.cmd("SADD")
+                .arg(self.keys.consumers())
+                .arg(consumer)
+                .ignore();
+            self.index("done", &pipe).await;
         }
     }
 
@@ -223,29 +273,8 @@ impl Store for RedisStore {
             return Err(StoreError::lease_lost(&lease.key));
         }
         self.wait_for_replicas(c, k).await?;
-        // The consumer's index: add the key, renew the TTL, trim entries
-        // first seen before the retention window (their records are expired
-        // or about to).
-        let done_index = self.keys.consumer(c, "done");
-        let mut pipe = redis::pipe();
-        pipe.cmd("ZADD")
-            .arg(&done_index)
-            .arg(lease.first_seen_ms)
-            .arg(k)
-            .ignore();
-        pipe.cmd("PEXPIRE")
-            .arg(&done_index)
-            .arg(millis(self.options.retention))
-            .ignore();
-        pipe.cmd("ZREMRANGEBYSCORE")
-            .arg(&done_index)
-            .arg("-inf")
-            .arg(format!("({}", self.retention_horizon()))
-            .ignore();
-        self.index("done", &pipe).await;
-        self.remove_from_set("failing", &self.keys.consumer(c, "failing"), k)
+        self.index_completed(c, &[(lease.first_seen_ms, k)], self.options.retention)
             .await;
-        self.add_consumer(c).await;
         Ok(())
     }
 
