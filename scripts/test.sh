@@ -6,8 +6,10 @@
 # Kafka and Apache RocketMQ from Maven Central (scripts/kafka.sh,
 # scripts/rocketmq.sh), SQS on moto from PyPI (scripts/sqs.sh), Debian's
 # chromium for the console's browser test (scripts/chromium.sh), a Redis
-# Cluster of six redis-server nodes (scripts/redis-cluster.sh); then the
-# short chaos matrix (scripts/chaos.sh). Run from anywhere.
+# Cluster of six redis-server nodes (scripts/redis-cluster.sh), FerretDB
+# (MongoDB wire protocol over PostgreSQL) from the Go module proxy
+# (scripts/ferretdb.sh); then the short chaos matrix (scripts/chaos.sh).
+# Run from anywhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
@@ -30,6 +32,8 @@ scripts/rocketmq.sh
 took "Apache RocketMQ"
 scripts/chromium.sh
 took "chromium (the console's browser test)"
+scripts/ferretdb.sh
+took "FerretDB (the Mongo store's tests)"
 cargo test --workspace --all-features "$@"
 took "cargo test (build and run)"
 # The short chaos matrix (every source and every store, ~2,000 orders and

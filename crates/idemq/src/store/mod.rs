@@ -23,6 +23,8 @@ use crate::outcome::DeadLetterReason;
 
 pub mod cache;
 pub mod memory;
+#[cfg(feature = "mongodb")]
+pub mod mongo;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]

@@ -503,3 +503,70 @@ async fn unlink_matching(conn: &mut impl redis::aio::ConnectionLike, pattern: &s
         cursor = next;
     }
 }
+
+/// The Mongo lease store on the MongoDB-wire server of
+/// `scripts/ferretdb.sh` (`IDEMQ_TEST_MONGODB`, default
+/// `mongodb://127.0.0.1:27017`), database `idemq_test`, under a unique
+/// collection prefix; like the other lease stores, its ledger is in process
+/// and written only on success.
+#[cfg(feature = "mongodb")]
+pub struct MongoBackend {
+    store: idemq::store::mongo::MongoStore,
+    ledger: Arc<Mutex<Vec<(String, i64)>>>,
+}
+
+#[cfg(feature = "mongodb")]
+#[async_trait]
+impl Backend for MongoBackend {
+    type S = idemq::store::mongo::MongoStore;
+
+    async fn fresh() -> Self {
+        let url = std::env::var("IDEMQ_TEST_MONGODB")
+            .unwrap_or_else(|_| "mongodb://127.0.0.1:27017".into());
+        let store = idemq::store::mongo::MongoStore::connect_with(
+            &url,
+            idemq::store::mongo::MongoOptions::default()
+                .database("idemq_test")
+                .prefix(unique_prefix()),
+        )
+        .await
+        .expect("connect to the MongoDB-wire server (scripts/ferretdb.sh)");
+        store.migrate().await.expect("migrate");
+        Self {
+            store,
+            ledger: Arc::default(),
+        }
+    }
+
+    fn store(&self) -> Self::S {
+        self.store.clone()
+    }
+
+    fn handler(&self, plan: Arc<Plan>) -> Box<dyn Handler<idemq::store::mongo::MongoLease>> {
+        let state = (plan, Arc::clone(&self.ledger));
+        Box::new(StateFnHandler::new(
+            state,
+            lease_apply::<idemq::store::mongo::MongoLease>,
+        ))
+    }
+
+    async fn ledger(&self) -> Vec<(String, i64)> {
+        let mut rows = self.ledger.lock().unwrap().clone();
+        rows.sort();
+        rows
+    }
+
+    /// Drops the prefix's collections and closes the client.
+    async fn cleanup(self) {
+        let prefix = &self.store.options().prefix;
+        for name in ["inbox", "attempts", "dead_letters", "effects"] {
+            self.store
+                .database()
+                .collection::<mongodb::bson::Document>(&format!("{prefix}{name}"))
+                .drop()
+                .await
+                .expect("drop a test collection");
+        }
+        self.store.close().await;
+    }
+}

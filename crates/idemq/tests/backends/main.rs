@@ -1,6 +1,7 @@
 //! The same exactly-once scenarios against every store: real PostgreSQL,
 //! MariaDB and SQLite servers/files, the in-memory lease store and (feature
-//! `redis`) the Redis lease store, on one Redis and on a Redis Cluster.
+//! `redis`) the Redis lease store, on one Redis and on a Redis Cluster, and
+//! (feature `mongodb`) the Mongo lease store on FerretDB.
 //!
 //! Every scenario applies messages to a ledger table that has **no** unique
 //! constraint, so a message applied twice shows up as two rows.
@@ -71,6 +72,170 @@ mod redis_cluster {
             },
         )
         .await
+    }
+}
+
+/// The Mongo lease store on FerretDB (`scripts/ferretdb.sh`): the same
+/// scenarios, and batch mode over its units.
+#[cfg(feature = "mongodb")]
+mod mongo {
+    crate::scenarios::suite!(crate::backend::MongoBackend);
+
+    /// Batch mode over the Mongo lease store keeps the order per key
+    /// across batches in flight, as the SQL batch suite checks for SQL.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn the_first_copy_in_order_wins_across_lease_batches() {
+        crate::scenarios::first_copies_win::<crate::backend::MongoBackend>(8, |consumer, queue| {
+            Box::pin(async move {
+                let options =
+                    idemq::engine::BatchOptions::new(20, std::time::Duration::from_millis(5));
+                consumer.run_batched(queue.source(), options).await
+            })
+        })
+        .await
+    }
+
+    /// Stores, leases and units dropped after their runtime ended (without
+    /// `close()`), or dropped inside it while held, do not panic: the
+    /// driver's clean-up and the store's background releases need a
+    /// runtime, and must do nothing when there is none.
+    #[test]
+    fn dropping_stores_and_leases_outside_the_runtime_does_not_panic() {
+        use crate::backend::Backend;
+        use idemq::store::mongo::{MongoOptions, MongoStore};
+        use idemq::store::unit::{MemberClaim, UnitOptions, WorkUnit};
+        use idemq::store::{Claim, ClaimRequest, Store, UnitStore};
+        use std::sync::Arc;
+        use std::time::Duration;
+
+        let runtime = |threads| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(threads)
+                .enable_all()
+                .build()
+                .unwrap()
+        };
+        let main = runtime(1);
+        let backend = main.block_on(crate::backend::MongoBackend::fresh());
+        let prefix = backend.store().options().prefix.clone();
+        let url = std::env::var("IDEMQ_TEST_MONGODB")
+            .unwrap_or_else(|_| "mongodb://127.0.0.1:27017".into());
+        let options = MongoOptions::default()
+            .database("idemq_test")
+            .prefix(prefix);
+        let req = |key| ClaimRequest {
+            consumer: "drop",
+            key,
+            fingerprint: "f",
+            lease: Duration::from_secs(30),
+        };
+
+        // Held lease, unit and store outlive their runtime.
+        let other = runtime(2);
+        let (store, lease, unit) = other.block_on(async {
+            let store = MongoStore::connect_with(&url, options.clone())
+                .await
+                .unwrap();
+            let Claim::New(lease) = store.claim(&req("a")).await.unwrap() else {
+                panic!("a fresh key is new")
+            };
+            let shared = Arc::new(store.clone());
+            let mut unit = shared.begin(UnitOptions::new(
+                false,
+                Duration::from_secs(30),
+                idemq::InFlightPolicy::Reject,
+            ));
+            let claims = [MemberClaim::Key(req("b"))];
+            unit.claim(&claims).await.unwrap();
+            (store, lease, unit)
+        });
+        drop(other);
+        drop(lease);
+        drop(unit);
+        drop(store);
+
+        // A store dropped inside its runtime, unclosed, with a lease held;
+        // then the runtime ends while the background release may still run.
+        let third = runtime(2);
+        third.block_on(async {
+            let store = MongoStore::connect_with(&url, options.clone())
+                .await
+                .unwrap();
+            let Claim::New(lease) = store.claim(&req("c")).await.unwrap() else {
+                panic!("a fresh key is new")
+            };
+            drop(store);
+            drop(lease);
+        });
+        drop(third);
+
+        main.block_on(backend.cleanup());
+    }
+
+    /// A holder whose key's records were pruned under it (its lease had
+    /// lapsed, say, in a long pause) sees the loss at its next heartbeat
+    /// and its completion is refused: no record is left behind, and the
+    /// next claim of the key starts afresh.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_holder_whose_key_was_pruned_cannot_complete() {
+        use crate::backend::Backend;
+        use idemq::store::{Claim, ClaimRequest, Store, StoreAdmin};
+        use idemq::StoreErrorKind;
+        use std::time::Duration;
+
+        let backend = crate::backend::MongoBackend::fresh().await;
+        let store = backend.store();
+        let req = ClaimRequest {
+            consumer: "pruned",
+            key: "k",
+            fingerprint: "f",
+            lease: Duration::from_millis(900),
+        };
+        let Claim::New(lease) = store.claim(&req).await.unwrap() else {
+            panic!("a fresh key is new")
+        };
+        // What a prune does to the key's life, behind the holder's back.
+        let inbox = store
+            .database()
+            .collection::<mongodb::bson::Document>(&format!("{}inbox", store.options().prefix));
+        inbox
+            .delete_many(mongodb::bson::doc! { "consumer": "pruned", "key": "k" })
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        assert!(
+            lease.lease_lost(),
+            "the heartbeat finds the lease's record gone"
+        );
+        let err = store.commit(lease, &req, None).await.unwrap_err();
+        assert_eq!(err.kind(), StoreErrorKind::LeaseLost);
+        assert!(store.inspect("pruned", "k").await.unwrap().inbox.is_none());
+        assert!(matches!(store.claim(&req).await.unwrap(), Claim::New(_)));
+        backend.cleanup().await;
+    }
+
+    /// The batch scenarios that hold for a lease store (whose handler
+    /// effects are its own, so a crashed batch's effects are not undone).
+    mod batch {
+        use crate::backend::MongoBackend;
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn exactly_once_with_duplicates_inside_and_across_batches() {
+            crate::batch::exactly_once_with_duplicates_inside_and_across_batches::<MongoBackend>()
+                .await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_failing_message_rolls_back_alone() {
+            crate::batch::a_failing_message_rolls_back_alone::<MongoBackend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_retry_in_place_inside_a_batch() {
+            crate::batch::a_retry_in_place_inside_a_batch::<MongoBackend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn lost_acks_after_the_commit_are_duplicates() {
+            crate::batch::lost_acks_after_the_commit_are_duplicates::<MongoBackend>().await
+        }
     }
 }
 
