@@ -22,6 +22,8 @@ use crate::message::{DeliveryMeta, Message};
 use crate::outcome::DeadLetterReason;
 
 pub mod cache;
+#[cfg(any(feature = "redis", feature = "mongodb"))]
+pub(crate) mod lease_members;
 pub mod memory;
 #[cfg(feature = "mongodb")]
 pub mod mongo;

@@ -34,6 +34,7 @@ use super::records::{text, Decision, KeyView};
 use super::{MongoLease, MongoStore};
 use crate::error::StoreError;
 use crate::policy::InFlightPolicy;
+use crate::store::lease_members::LeaseMembers;
 use crate::store::unit::{
     Completion, MemberAnswer, MemberClaim, Undone, UnitOptions, UnitStore, WorkUnit,
 };
@@ -49,17 +50,15 @@ pub struct MongoUnit {
     /// The leases the heartbeat extends.
     beating: Arc<Mutex<Vec<Beating>>>,
     heartbeat: Option<tokio::task::JoinHandle<()>>,
-    /// Member `n`'s lease while it is held.
-    held: Vec<Option<MongoLease>>,
-    /// Leases of failed members, released at completion.
-    released: Vec<MongoLease>,
+    /// The members' leases.
+    leases: LeaseMembers<MongoLease>,
 }
 
 impl std::fmt::Debug for MongoUnit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MongoUnit")
             .field("lease", &self.lease)
-            .field("held", &self.held.iter().flatten().count())
+            .field("held", &self.leases.held_count())
             .finish_non_exhaustive()
     }
 }
@@ -74,8 +73,7 @@ impl UnitStore for MongoStore {
             in_flight: options.in_flight,
             beating: Arc::default(),
             heartbeat: None,
-            held: Vec::new(),
-            released: Vec::new(),
+            leases: LeaseMembers::default(),
         }
     }
 }
@@ -254,15 +252,11 @@ impl MongoUnit {
             h.abort();
         }
         lock(&self.beating).clear();
-        let mut cores: Vec<LeaseCore> = self.released.iter_mut().map(MongoLease::settle).collect();
-        self.released.clear();
-        cores.extend(
-            self.held
-                .iter_mut()
-                .filter_map(Option::take)
-                .map(|mut l| l.settle()),
-        );
-        cores
+        self.leases
+            .take_releasable()
+            .into_iter()
+            .map(|mut l| l.settle())
+            .collect()
     }
 }
 
@@ -281,23 +275,11 @@ impl WorkUnit for MongoUnit {
         let all: Vec<usize> = (0..claims.len()).collect();
         let mut answers = self.claim_some(claims, &all).await?;
         self.wait_for_in_flight(claims, &mut answers).await;
-        self.held = (0..claims.len()).map(|_| None).collect();
-        Ok(answers
-            .into_iter()
-            .enumerate()
-            .map(|(n, answer)| match answer {
-                Claim::New(lease) => {
-                    self.held[n] = Some(lease);
-                    MemberAnswer::New
-                }
-                Claim::Done(record) => MemberAnswer::Done(record),
-                Claim::InFlight => MemberAnswer::Busy("in flight in another worker".into()),
-            })
-            .collect())
+        Ok(self.leases.hold(answers))
     }
 
     fn tx(&mut self, member: usize) -> Option<&mut MongoLease> {
-        self.held.get_mut(member).and_then(Option::as_mut)
+        self.leases.get_mut(member)
     }
 
     async fn undo(
@@ -305,9 +287,7 @@ impl WorkUnit for MongoUnit {
         member: usize,
         _claim: &MemberClaim<'_>,
     ) -> Result<Undone, StoreError> {
-        if let Some(lease) = self.held.get_mut(member).and_then(Option::take) {
-            self.released.push(lease);
-        }
+        self.leases.set_aside(member);
         Ok(Undone::Member)
     }
 
@@ -323,13 +303,9 @@ impl WorkUnit for MongoUnit {
         let expire_at = store.expire_at();
         let mut completing: Vec<Option<LeaseCore>> = Vec::with_capacity(done.len());
         let mut docs = Vec::with_capacity(done.len());
-        for completion in done {
-            let lease = self.held.get_mut(completion.member).and_then(Option::take);
-            match (
-                lease,
-                claims.get(completion.member).and_then(MemberClaim::key),
-            ) {
-                (Some(mut lease), Some(req)) => {
+        for (completion, taken) in done.iter().zip(self.leases.completing(claims, done)) {
+            match taken {
+                Some((mut lease, req)) => {
                     let core = lease.settle();
                     docs.push(
                         core.next()
@@ -337,10 +313,7 @@ impl WorkUnit for MongoUnit {
                     );
                     completing.push(Some(core));
                 }
-                (lease, _) => {
-                    self.released.extend(lease);
-                    completing.push(None);
-                }
+                None => completing.push(None),
             }
         }
         // Everything else the unit holds is released in the same insert.

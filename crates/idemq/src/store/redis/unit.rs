@@ -34,6 +34,7 @@ use super::batch::{LeaseCompletion, RedisLeaseGroup};
 use super::{RedisLease, RedisStore};
 use crate::error::StoreError;
 use crate::policy::InFlightPolicy;
+use crate::store::lease_members::LeaseMembers;
 use crate::store::unit::{
     Completion, MemberAnswer, MemberClaim, Undone, UnitOptions, UnitStore, WorkUnit,
 };
@@ -44,17 +45,15 @@ pub struct RedisUnit {
     store: Arc<RedisStore>,
     group: Option<RedisLeaseGroup>,
     in_flight: InFlightPolicy,
-    /// Member `n`'s lease while it is held.
-    held: Vec<Option<RedisLease>>,
-    /// Leases of failed members, released at completion.
-    released: Vec<RedisLease>,
+    /// The members' leases.
+    leases: LeaseMembers<RedisLease>,
 }
 
 impl std::fmt::Debug for RedisUnit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisUnit")
             .field("group", &self.group)
-            .field("held", &self.held.iter().flatten().count())
+            .field("held", &self.leases.held_count())
             .finish_non_exhaustive()
     }
 }
@@ -67,8 +66,7 @@ impl UnitStore for RedisStore {
             group: Some(self.lease_group(options.lease)),
             store: Arc::clone(self),
             in_flight: options.in_flight,
-            held: Vec::new(),
-            released: Vec::new(),
+            leases: LeaseMembers::default(),
         }
     }
 }
@@ -136,13 +134,6 @@ impl RedisUnit {
             }
         }
     }
-
-    /// The leases still held and those of failed members, taken out.
-    fn take_releasable(&mut self) -> Vec<RedisLease> {
-        let mut released = std::mem::take(&mut self.released);
-        released.extend(self.held.iter_mut().filter_map(Option::take));
-        released
-    }
 }
 
 #[async_trait]
@@ -153,23 +144,11 @@ impl WorkUnit for RedisUnit {
         let all: Vec<usize> = (0..claims.len()).collect();
         let mut answers = self.claim_some(claims, &all).await?;
         self.wait_for_in_flight(claims, &mut answers).await;
-        self.held = (0..claims.len()).map(|_| None).collect();
-        Ok(answers
-            .into_iter()
-            .enumerate()
-            .map(|(n, answer)| match answer {
-                Claim::New(lease) => {
-                    self.held[n] = Some(lease);
-                    MemberAnswer::New
-                }
-                Claim::Done(record) => MemberAnswer::Done(record),
-                Claim::InFlight => MemberAnswer::Busy("in flight in another worker".into()),
-            })
-            .collect())
+        Ok(self.leases.hold(answers))
     }
 
     fn tx(&mut self, member: usize) -> Option<&mut RedisLease> {
-        self.held.get_mut(member).and_then(Option::as_mut)
+        self.leases.get_mut(member)
     }
 
     async fn undo(
@@ -177,9 +156,7 @@ impl WorkUnit for RedisUnit {
         member: usize,
         _claim: &MemberClaim<'_>,
     ) -> Result<Undone, StoreError> {
-        if let Some(lease) = self.held.get_mut(member).and_then(Option::take) {
-            self.released.push(lease);
-        }
+        self.leases.set_aside(member);
         Ok(Undone::Member)
     }
 
@@ -193,13 +170,9 @@ impl WorkUnit for RedisUnit {
         };
         let mut completions = Vec::with_capacity(done.len());
         let mut answered = Vec::with_capacity(done.len());
-        for completion in done {
-            let lease = self.held.get_mut(completion.member).and_then(Option::take);
-            match (
-                lease,
-                claims.get(completion.member).and_then(MemberClaim::key),
-            ) {
-                (Some(lease), Some(req)) => {
+        for (completion, taken) in done.iter().zip(self.leases.completing(claims, done)) {
+            match taken {
+                Some((lease, req)) => {
                     completions.push(LeaseCompletion {
                         lease,
                         fingerprint: req.fingerprint,
@@ -207,14 +180,11 @@ impl WorkUnit for RedisUnit {
                     });
                     answered.push(true);
                 }
-                (lease, _) => {
-                    self.released.extend(lease);
-                    answered.push(false);
-                }
+                None => answered.push(false),
             }
         }
         // Leases still held by members that did not complete are released.
-        let released = self.take_releasable();
+        let released = self.leases.take_releasable();
         let flags = self
             .store
             .complete_leases(group, completions, released)
@@ -230,7 +200,7 @@ impl WorkUnit for RedisUnit {
         let Some(group) = self.group.take() else {
             return;
         };
-        let released = self.take_releasable();
+        let released = self.leases.take_releasable();
         if let Err(e) = self
             .store
             .complete_leases(group, Vec::new(), released)
