@@ -42,12 +42,55 @@ impl FingerprintSpec {
                     .iter()
                     .map(|p| json.pointer(p).unwrap_or(&serde_json::Value::Null))
                     .collect();
-                let canonical = serde_json::to_vec(&values)
-                    .map_err(|e| InputError::MalformedJson(e.to_string()))?;
+                let mut canonical = vec![b'['];
+                for (i, value) in values.into_iter().enumerate() {
+                    if i > 0 {
+                        canonical.push(b',');
+                    }
+                    write_canonical(value, &mut canonical)
+                        .map_err(|e| InputError::MalformedJson(e.to_string()))?;
+                }
+                canonical.push(b']');
                 Ok(hex::encode(Sha256::digest(&canonical)))
             }
         }
     }
+}
+
+/// Writes `value` as compact JSON with every object's keys in sorted order,
+/// whatever order the payload had them in and whether or not another crate in
+/// the build turned on serde_json's `preserve_order` (bson does). A fingerprint
+/// must not depend on either: the same field values are the same message, and a
+/// fingerprint stored by one build must match the one another build computes.
+fn write_canonical(value: &serde_json::Value, out: &mut Vec<u8>) -> serde_json::Result<()> {
+    match value {
+        serde_json::Value::Object(map) => {
+            let mut entries: Vec<(&String, &serde_json::Value)> = map.iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            out.push(b'{');
+            for (i, (key, item)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                serde_json::to_writer(&mut *out, key)?;
+                out.push(b':');
+                write_canonical(item, out)?;
+            }
+            out.push(b'}');
+        }
+        serde_json::Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(item, out)?;
+            }
+            out.push(b']');
+        }
+        scalar => serde_json::to_writer(&mut *out, scalar)?,
+    }
+    Ok(())
 }
 
 impl fmt::Display for FingerprintSpec {
@@ -115,5 +158,27 @@ mod tests {
         ));
         assert!("json:a".parse::<FingerprintSpec>().is_err());
         assert_eq!(spec.to_string(), "json:/a");
+    }
+
+    #[test]
+    fn pointer_fingerprint_ignores_object_key_order_and_matches_earlier_builds() {
+        let spec: FingerprintSpec = "json:/payer,json:/amount".parse().unwrap();
+        let a = spec
+            .compute(&Message::new(
+                r#"{"payer":{"b":[{"d":"x\u00e9","c":null}],"a":1},"amount":5}"#,
+            ))
+            .unwrap();
+        let b = spec
+            .compute(&Message::new(
+                r#"{"amount":5,"payer":{"a":1,"b":[{"c":null,"d":"xé"}]}}"#,
+            ))
+            .unwrap();
+        assert_eq!(a, b);
+        // SHA-256 of `[{"a":1,"b":[{"c":null,"d":"xé"}]},5]`: what builds without
+        // serde_json's preserve_order stored, so their fingerprints still match.
+        assert_eq!(
+            a,
+            "fed7e3a9fc39fdc42f718d5aaea82a986585a2e6f1a7be77c92b047d05146107"
+        );
     }
 }
