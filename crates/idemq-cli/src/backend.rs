@@ -36,6 +36,9 @@ pub enum Kind {
     /// The Redis lease store (`redis://`, `rediss://`).
     #[cfg(feature = "redis")]
     Redis,
+    /// The MongoDB lease store (`mongodb://`).
+    #[cfg(feature = "mongodb")]
+    Mongo,
 }
 
 /// A parsed `--store` URL.
@@ -142,10 +145,26 @@ impl FromStr for StoreUrl {
                     return Err(compiled_out("Redis", "redis"));
                 }
             }
+            "mongodb" => {
+                #[cfg(feature = "mongodb")]
+                {
+                    Kind::Mongo
+                }
+                #[cfg(not(feature = "mongodb"))]
+                {
+                    return Err(compiled_out("MongoDB", "mongodb"));
+                }
+            }
+            "mongodb+srv" => {
+                return Err(format!(
+                    "{display}: mongodb+srv:// URLs are not supported (no DNS resolver in this \
+                     build): list the hosts in a mongodb:// URL"
+                ))
+            }
             other => {
                 return Err(format!(
                     "unknown store scheme {other:?} in {display}: expected sqlite:, postgres://, \
-                     postgresql://, mysql://, mariadb://, redis:// or redis+cluster://"
+                     postgresql://, mysql://, mariadb://, redis://, redis+cluster:// or mongodb://"
                 ))
             }
         };
@@ -286,6 +305,28 @@ impl Backend for idemq::store::redis::RedisStore {
     }
 
     // No watermark mode: Redis keeps no offsets in a transaction with the effects.
+}
+
+/// The MongoDB lease store: no SQL; handlers get a lease with a fencing token.
+#[cfg(feature = "mongodb")]
+impl Backend for idemq::store::mongo::MongoStore {
+    const SQL: Option<SqlDialect> = None;
+
+    fn sql_handler(_statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
+        None
+    }
+
+    /// A batch's leases are claimed with one unordered insert and completed with another.
+    async fn run_batched(
+        consumer: &Consumer<Self>,
+        source: Box<dyn Source>,
+        options: BatchOptions,
+        shutdown: ShutdownSignal<'_>,
+    ) -> Option<Result<Summary, SourceError>> {
+        Some(consumer.run_batched_until(source, options, shutdown).await)
+    }
+
+    // No watermark mode: the store keeps no offsets with the effects.
 }
 
 /// A database whose [`SqlStore`] the CLI drives: how `--apply-sql` is

@@ -434,7 +434,7 @@ struct ConsumeArgs {
     #[arg(long, value_name = "URL")]
     cache: Option<String>,
 
-    /// Lease stores (redis://): how long a claim lives without completion;
+    /// Lease stores (redis://, mongodb://): how long a claim lives without completion;
     /// a heartbeat extends it while the handler runs.
     #[arg(long, default_value = "30s", value_name = "DURATION", value_parser = humantime::parse_duration)]
     lease: Duration,
@@ -574,6 +574,16 @@ struct SinkTarget {
     /// or timed out: retried. A success is journaled (docs/http.md).
     #[arg(long = "apply-exec", value_name = "CMD")]
     apply_exec: Option<String>,
+
+    /// Insert each newly processed message's payload (a JSON object) into
+    /// a MongoDB collection, keyed by the message key, at most once:
+    /// `mongodb://[user:password@]HOST:PORT/DATABASE.COLLECTION[?options]`.
+    /// An upsert with `$setOnInsert` and `_id` = the key, so a redelivery
+    /// after a crash rewrites nothing (any store; docs/mongodb.md). A
+    /// payload that is not a JSON object, or whose `_id` is not the key, is
+    /// dead-lettered.
+    #[arg(long = "apply-mongo", value_name = "URL")]
+    apply_mongo: Option<String>,
 }
 
 /// `idemq produce`.
@@ -917,6 +927,19 @@ pub(crate) async fn dispatch(cli: Cli) -> Result<ExitCode> {
                 None => RedisStore::connect_with(&plain, options).await,
             };
             let store = connected.map_err(|e| backend::connect_error(&url, e))?;
+            commands::run(store, &url, &global, command).await
+        }
+        #[cfg(feature = "mongodb")]
+        backend::Kind::Mongo => {
+            use idemq::store::mongo::{MongoOptions, MongoStore};
+            // `--table-prefix idemq_` → collections `idemq_slots`, …
+            let (options, plain) = MongoOptions::default()
+                .prefix(&global.table_prefix)
+                .with_url_params(&url.url)
+                .map_err(|e| backend::connect_error(&url, e))?;
+            let store = MongoStore::connect_with(&plain, options)
+                .await
+                .map_err(|e| backend::connect_error(&url, e))?;
             commands::run(store, &url, &global, command).await
         }
     }

@@ -24,6 +24,8 @@ use crate::{exit, SinkArgs};
 mod exec;
 #[cfg(feature = "http")]
 mod http;
+#[cfg(feature = "mongodb")]
+mod mongo;
 
 /// The future a [`Handler`] returns.
 type HandlerFuture<'a> = Pin<Box<dyn Future<Output = HandlerResult> + Send + 'a>>;
@@ -299,7 +301,7 @@ pub struct Sink<Tx> {
 }
 
 /// Builds the sink the flags ask for (no database access yet).
-pub fn build<B: Backend>(args: &SinkArgs) -> Result<Sink<B::Tx>> {
+pub async fn build<B: Backend>(args: &SinkArgs) -> Result<Sink<B::Tx>> {
     match &args.target.apply_sql {
         Some(template) => {
             check_params(template, &args.params)?;
@@ -320,7 +322,7 @@ pub fn build<B: Backend>(args: &SinkArgs) -> Result<Sink<B::Tx>> {
             })
         }
         None => Ok(Sink {
-            handler: call_out_or_print(args)?,
+            handler: call_out_or_print(args).await?,
             statement: None,
         }),
     }
@@ -330,8 +332,19 @@ pub fn build<B: Backend>(args: &SinkArgs) -> Result<Sink<B::Tx>> {
 #[cfg(any(feature = "http", feature = "exec"))]
 const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// The handler of a sink without SQL: `--apply-http`, `--apply-exec` or `--print`.
-fn call_out_or_print<Tx: Send + 'static>(args: &SinkArgs) -> Result<BoxedHandler<Tx>> {
+/// The handler of a sink without SQL: `--apply-http`, `--apply-exec`,
+/// `--apply-mongo` or `--print`.
+async fn call_out_or_print<Tx: Send + 'static>(args: &SinkArgs) -> Result<BoxedHandler<Tx>> {
+    if let Some(url) = &args.target.apply_mongo {
+        #[cfg(feature = "mongodb")]
+        return Ok(Box::new(mongo::handler(url).await?));
+        #[cfg(not(feature = "mongodb"))]
+        return Err(exit::usage(format!(
+            "--apply-mongo {}: {}",
+            crate::backend::redact(url),
+            crate::backend::compiled_out("MongoDB", "mongodb")
+        )));
+    }
     if let Some(url) = &args.target.apply_http {
         #[cfg(feature = "http")]
         return Ok(Box::new(http::HttpSink::new(
@@ -397,9 +410,9 @@ pub async fn init<B: Backend>(
 /// The usage error for a SQL-only flag on a store that is not a SQL database.
 fn not_sql(flag: &str) -> anyhow::Error {
     exit::usage(format!(
-        "{flag} needs a SQL store (sqlite:, postgres://, mysql://): a redis:// store holds \
-         leases, not your tables; use --print, or keep the inbox in SQL and put Redis in \
-         front with --cache"
+        "{flag} needs a SQL store (sqlite:, postgres://, mysql://): a redis:// or mongodb:// \
+         store holds leases, not your tables; use --print, --apply-mongo, --apply-http or \
+         --apply-exec, or keep the inbox in SQL (and put Redis in front with --cache)"
     ))
 }
 

@@ -1047,7 +1047,14 @@ where
 #[cfg(feature = "redis")]
 #[test]
 fn redis_store_consumes_once_and_reports() {
-    redis_store_round_trip("redis://127.0.0.1:6379");
+    lease_store_round_trip("redis://127.0.0.1:6379");
+}
+
+/// The same on the MongoDB-wire server of `scripts/ferretdb.sh`.
+#[cfg(feature = "mongodb")]
+#[test]
+fn mongodb_store_consumes_once_and_reports() {
+    lease_store_round_trip("mongodb://127.0.0.1:27017/idemq_cli");
 }
 
 /// The same on the Redis Cluster of `scripts/redis-cluster.sh`, named by two
@@ -1056,13 +1063,16 @@ fn redis_store_consumes_once_and_reports() {
 #[cfg(feature = "redis")]
 #[test]
 fn a_redis_cluster_store_consumes_once_and_reports() {
-    redis_store_round_trip(
+    lease_store_round_trip(
         "redis+cluster://127.0.0.1:7000,127.0.0.1:7001?wait_replicas=1&wait_timeout_ms=2000",
     );
 }
 
-#[cfg(feature = "redis")]
-fn redis_store_round_trip(redis: &str) {
+/// A lease store (`redis://`, `mongodb://`) through the CLI: the fixture's
+/// payments consumed with `--print` (eight in flight), a rerun, inspect,
+/// release, and the SQL-only flags refused.
+#[cfg(any(feature = "redis", feature = "mongodb"))]
+fn lease_store_round_trip(store: &str) {
     let fx = Fixture::new();
     let prefix = format!("cli{}_", unique_suffix());
     let consume = |extra: &[&str]| {
@@ -1079,7 +1089,7 @@ fn redis_store_round_trip(redis: &str) {
             "--print",
         ];
         args.extend_from_slice(extra);
-        idemq(redis, &args)
+        idemq(store, &args)
     };
     // Eight in flight: duplicates of a key in flight wait for its result.
     let first = consume(&["--concurrency", "8", "--in-flight", "wait"]).expect_code(0);
@@ -1107,7 +1117,7 @@ fn redis_store_round_trip(redis: &str) {
     );
 
     let inspect = idemq(
-        redis,
+        store,
         &[
             "--table-prefix",
             &prefix,
@@ -1125,7 +1135,7 @@ fn redis_store_round_trip(redis: &str) {
     assert_eq!(inspect["in_flight"], false, "{inspect}");
     assert!(inspect["inbox"]["fingerprint"].is_string(), "{inspect}");
     let release = idemq(
-        redis,
+        store,
         &[
             "--table-prefix",
             &prefix,
@@ -1144,7 +1154,7 @@ fn redis_store_round_trip(redis: &str) {
     );
 
     let sql = idemq(
-        redis,
+        store,
         &[
             "--table-prefix",
             &prefix,
@@ -1161,7 +1171,7 @@ fn redis_store_round_trip(redis: &str) {
 
     // A lease store has no SQL side: --init-sql is refused before anything runs.
     let init = idemq(
-        redis,
+        store,
         &[
             "--table-prefix",
             &prefix,

@@ -62,6 +62,8 @@ use crate::error::{HandlerError, StoreError};
 
 #[cfg(feature = "http")]
 pub mod http;
+#[cfg(feature = "mongodb")]
+pub mod mongo;
 
 /// The namespace of derived idempotency keys:
 /// `UUIDv5(URL namespace, "urn:idemq:idempotency-key")`.

@@ -51,7 +51,7 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
             args.input
         )));
     }
-    let sink::Sink { handler, statement } = sink::build::<B>(&args.sink)?;
+    let sink::Sink { handler, statement } = sink::build::<B>(&args.sink).await?;
     let progress = Progress::new(&args.consumer);
     let mut builder = super::configure(
         Consumer::builder(args.consumer.as_str(), store),

@@ -81,7 +81,7 @@ impl<B: Backend> Replayer<B> {
         processing: &ProcessingArgs,
         sink_args: &SinkArgs,
     ) -> Result<Self> {
-        let sink::Sink { handler, statement } = sink::build::<B>(sink_args)?;
+        let sink::Sink { handler, statement } = sink::build::<B>(sink_args).await?;
         let last_outcome: Arc<Mutex<Option<Outcome>>> = Arc::default();
         let hook_slot = Arc::clone(&last_outcome);
         let consumer = super::configure(Consumer::builder(name, store), processing)

@@ -118,10 +118,18 @@ pub async fn run(args: RelayArgs, global: &GlobalArgs) -> Result<ExitCode> {
             relay(store.pool().clone(), &args, global, &url, publisher).await
         }
         #[cfg(feature = "redis")]
-        Kind::Redis => Err(exit::usage(format!(
-            "{url} is not a SQL database: the outbox lives in the application's SQL database"
-        ))),
+        Kind::Redis => Err(not_sql(&url)),
+        #[cfg(feature = "mongodb")]
+        Kind::Mongo => Err(not_sql(&url)),
     }
+}
+
+/// The usage error for an outbox on a store that is not a SQL database.
+#[allow(dead_code)] // unused when no lease store is compiled in
+fn not_sql(url: &StoreUrl) -> anyhow::Error {
+    exit::usage(format!(
+        "{url} is not a SQL database: the outbox lives in the application's SQL database"
+    ))
 }
 
 async fn relay<DB: OutboxDatabase>(

@@ -214,6 +214,79 @@ mod mongo {
         backend.cleanup().await;
     }
 
+    /// The idempotent upsert effect (`idemq::effect::mongo`): the first
+    /// write inserts, every later one (another payload too) rewrites
+    /// nothing, sixteen racing first writes insert once, and a foreign
+    /// `_id` or a payload that is not a document is refused, not written.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn upsert_once_inserts_a_key_once_under_races() {
+        use crate::backend::Backend;
+        use idemq::effect::mongo::{document_of, upsert_once, Upserted};
+        use idemq::{HandlerErrorKind, Message};
+        use mongodb::bson::doc;
+
+        let backend = crate::backend::MongoBackend::fresh().await;
+        let store = backend.store();
+        let payments = store
+            .database()
+            .collection::<mongodb::bson::Document>(&format!("{}payments", store.options().prefix));
+
+        let first = doc! { "amount": 10 };
+        assert_eq!(
+            upsert_once(&payments, "p-1", first).await.unwrap(),
+            Upserted::Inserted
+        );
+        let other = doc! { "amount": 99 };
+        assert_eq!(
+            upsert_once(&payments, "p-1", other).await.unwrap(),
+            Upserted::AlreadyPresent
+        );
+        let stored = payments
+            .find_one(doc! { "_id": "p-1" })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(stored.get_i32("amount").unwrap(), 10, "{stored}");
+
+        let racers: Vec<_> = (0..16)
+            .map(|i| {
+                let payments = payments.clone();
+                tokio::spawn(
+                    async move { upsert_once(&payments, "p-race", doc! { "writer": i }).await },
+                )
+            })
+            .collect();
+        let mut inserted = 0;
+        for racer in racers {
+            if racer.await.unwrap().unwrap() == Upserted::Inserted {
+                inserted += 1;
+            }
+        }
+        assert_eq!(inserted, 1, "exactly one racing write inserts");
+        assert_eq!(
+            payments
+                .count_documents(doc! { "_id": "p-race" })
+                .await
+                .unwrap(),
+            1
+        );
+
+        let foreign = upsert_once(&payments, "p-2", doc! { "_id": "p-3", "amount": 1 })
+            .await
+            .unwrap_err();
+        assert_eq!(foreign.kind(), HandlerErrorKind::Permanent, "{foreign}");
+        let not_a_document = document_of(&Message::new("[1, 2]")).unwrap_err();
+        assert_eq!(
+            not_a_document.kind(),
+            HandlerErrorKind::InvalidInput,
+            "{not_a_document}"
+        );
+        assert_eq!(payments.count_documents(doc! {}).await.unwrap(), 2);
+
+        payments.drop().await.unwrap();
+        backend.cleanup().await;
+    }
+
     /// The batch scenarios that hold for a lease store (whose handler
     /// effects are its own, so a crashed batch's effects are not undone).
     mod batch {

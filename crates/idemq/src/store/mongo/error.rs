@@ -82,7 +82,7 @@ pub(super) fn code(e: &mongodb::error::Error) -> Option<i32> {
 }
 
 /// Whether `e` is a duplicate-key error of a single write.
-pub(super) fn is_duplicate(e: &mongodb::error::Error) -> bool {
+pub(crate) fn is_duplicate(e: &mongodb::error::Error) -> bool {
     code(e) == Some(DUPLICATE_KEY)
 }
 
@@ -103,7 +103,7 @@ pub(super) fn duplicate_indexes(e: &mongodb::error::Error) -> Option<Vec<usize>>
         .collect()
 }
 
-fn is_transient(e: &mongodb::error::Error) -> bool {
+pub(crate) fn is_transient(e: &mongodb::error::Error) -> bool {
     matches!(
         e.kind.as_ref(),
         ErrorKind::Io(_)

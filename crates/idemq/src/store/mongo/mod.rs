@@ -153,7 +153,7 @@
 
 mod admin;
 mod clock;
-mod error;
+pub(crate) mod error;
 mod ids;
 mod journal;
 mod lease;
