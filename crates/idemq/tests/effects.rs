@@ -1,6 +1,7 @@
 #![cfg(all(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 //! Effects outside the database: `ctx.effect` and derived idempotency keys,
-//! on SQLite, PostgreSQL, MariaDB, the memory store and (feature `redis`) Redis.
+//! on SQLite, PostgreSQL, MariaDB, the memory store, (feature `redis`) Redis
+//! and (feature `mongodb`) MongoDB.
 //!
 //! The "provider" is an in-process payment API that deduplicates by
 //! idempotency key and counts its calls. Each scenario runs the same handler
@@ -453,4 +454,49 @@ async fn effects_on_redis() {
     .await
     .unwrap();
     all_scenarios(&Redis(store)).await;
+}
+
+/// The same scenarios on the MongoDB lease store (FerretDB of
+/// `scripts/ferretdb.sh`): its effect journal keeps each step's result.
+#[cfg(feature = "mongodb")]
+#[tokio::test]
+async fn effects_on_mongodb() {
+    use idemq::store::mongo::{MongoLease, MongoOptions, MongoStore};
+
+    struct Mongo(MongoStore);
+    impl Env for Mongo {
+        type S = MongoStore;
+        fn store(&self) -> MongoStore {
+            self.0.clone()
+        }
+        fn write() -> Write<MongoLease> {
+            |_, _, _, _| Box::pin(async { Ok(()) })
+        }
+        fn ledger<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Option<Vec<(String, String)>>> {
+            Box::pin(async { None })
+        }
+    }
+    let url =
+        std::env::var("IDEMQ_TEST_MONGODB").unwrap_or_else(|_| "mongodb://127.0.0.1:27017".into());
+    let prefix = format!("{}_", support::unique("fx"));
+    let store = MongoStore::connect_with(
+        &url,
+        MongoOptions::default()
+            .database("idemq_test")
+            .prefix(prefix),
+    )
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    all_scenarios(&Mongo(store.clone())).await;
+    for collection in store.database().list_collection_names().await.unwrap() {
+        if collection.starts_with(&store.options().prefix) {
+            store
+                .database()
+                .collection::<mongodb::bson::Document>(&collection)
+                .drop()
+                .await
+                .unwrap();
+        }
+    }
 }
