@@ -10,14 +10,15 @@
 #                               offset-watermark mode (Kafka) × PostgreSQL,
 #                               and watermark mode with concurrent records
 #                               (Kafka) × MariaDB, and lease batches
-#                               (JSON lines × Redis)
-#   scripts/chaos.sh --full     every source × every store (32 cells), plus
+#                               (JSON lines × Redis); "every other store"
+#                               includes MongoDB (FerretDB, scripts/ferretdb.sh)
+#   scripts/chaos.sh --full     every source × every store (40 cells), plus
 #                               the batch and both watermark cells × every SQL store
-#                               and the batch cells × Redis (lease batches)
+#                               and the batch cells × Redis and MongoDB (lease batches)
 #   scripts/chaos.sh --cells 'jsonl:sqlite amqp:redis kafka:mysql:watermark'
 #                               chosen cells (SOURCE:STORE[:batch|:watermark|:concurrent])
 #
-# Four cells also restart their database or broker once mid-run (see
+# Five cells also restart their database or broker once mid-run (see
 # restart_args; CHAOS_RESTARTS=0 turns that off).
 #
 # Environment: CHAOS_MESSAGES (2000), CHAOS_KILLS (20), CHAOS_WORKERS (3),
@@ -93,7 +94,7 @@ source_args() {
 # Per cell: the database or broker restarts of the short and full matrix
 # (CHAOS_RESTARTS=0 turns them off): PostgreSQL under the JSON-lines cell,
 # MariaDB under the RabbitMQ cell, NATS and RabbitMQ under their PostgreSQL
-# cells. Redis is never restarted (it keeps nothing on disk here).
+# cells, FerretDB (MongoDB) under the RabbitMQ cell. Redis is never restarted (it keeps nothing on disk here).
 restart_args() {
   [ "${CHAOS_RESTARTS:-1}" = 1 ] || return 0
   case "$1" in
@@ -101,6 +102,7 @@ restart_args() {
     amqp:mysql) echo "--restart-db" "scripts/restart-service.sh mariadb" ;;
     nats:postgres) echo "--restart-broker" "scripts/restart-service.sh nats" ;;
     amqp:postgres) echo "--restart-broker" "scripts/restart-service.sh rabbitmq" ;;
+    amqp:mongo) echo "--restart-db" "scripts/restart-service.sh ferretdb" ;;
   esac
 }
 
@@ -121,22 +123,23 @@ store_url() {
     postgres) echo "postgres://postgres@127.0.0.1:5432/test" ;;
     mysql) echo "mysql://root@127.0.0.1:3306/test" ;;
     redis) echo "redis://127.0.0.1:6379" ;;
+    mongo) echo "mongodb://127.0.0.1:27017/idemq_chaos" ;;
     *) echo "chaos.sh: unknown store $1" >&2; return 1 ;;
   esac
 }
 
 SOURCES="jsonl kafka amqp sqs nats redis-stream mqtt rocketmq"
-STORES="sqlite postgres mysql redis"
+STORES="sqlite postgres mysql redis mongo"
 if [ -z "$cells" ]; then
   if [ "$mode" = full ]; then
     for st in $STORES; do for so in $SOURCES; do cells="$cells $so:$st"; done; done
     for st in sqlite postgres mysql; do
       cells="$cells jsonl:$st:batch amqp:$st:batch kafka:$st:watermark kafka:$st:concurrent"
     done
-    cells="$cells jsonl:redis:batch amqp:redis:batch"
+    cells="$cells jsonl:redis:batch amqp:redis:batch jsonl:mongo:batch amqp:mongo:batch"
   else
     for so in $SOURCES; do cells="$cells $so:postgres"; done
-    for st in sqlite mysql redis; do cells="$cells jsonl:$st amqp:$st"; done
+    for st in sqlite mysql redis mongo; do cells="$cells jsonl:$st amqp:$st"; done
     cells="$cells jsonl:postgres:batch amqp:postgres:batch kafka:postgres:watermark"
     cells="$cells kafka:mysql:concurrent jsonl:redis:batch"
   fi

@@ -4,7 +4,10 @@
 # until it answers. For `idemq chaos --restart-db` / `--restart-broker` (see
 # scripts/chaos.sh).
 #
-#   scripts/restart-service.sh postgres|mariadb|nats|rabbitmq|mosquitto
+#   scripts/restart-service.sh postgres|mariadb|nats|rabbitmq|mosquitto|ferretdb
+#
+# FerretDB (scripts/ferretdb.sh) keeps its data in PostgreSQL, so a restart
+# loses nothing.
 #
 # Redis is not offered: it keeps nothing on disk here, so a restart would
 # lose a Redis store's records (and with them the proof).
@@ -20,10 +23,15 @@ case "${1:-}" in
   rabbitmq)
     rabbitmqctl stop >/dev/null 2>&1 || true
     stop_pid "$IDEMQ_TOOLS/rabbitmq/rabbitmq.pid" TERM ;;
+  ferretdb) stop_pid "$IDEMQ_TOOLS/ferretdb/ferretdb.pid" TERM ;;
   *)
-    echo "restart-service.sh: usage: $0 postgres|mariadb|nats|rabbitmq|mosquitto" >&2
+    echo "restart-service.sh: usage: $0 postgres|mariadb|nats|rabbitmq|mosquitto|ferretdb" >&2
     exit 2 ;;
 esac
 echo "restart-service: $1 stopped; starting it again"
-scripts/services.sh "$1" >/dev/null
+if [ "$1" = ferretdb ]; then
+  scripts/ferretdb.sh >/dev/null
+else
+  scripts/services.sh "$1" >/dev/null
+fi
 echo "restart-service: $1 answers again"

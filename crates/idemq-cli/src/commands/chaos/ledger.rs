@@ -7,6 +7,9 @@
 //! worker writes the documented lease-store pattern, an effect keyed by the
 //! derived idempotency key and fenced by the lease's fencing number; every
 //! accepted write is counted, so re-executions after a lost lease show up.
+//! MongoDB (a lease store too): the worker upserts each order once by its
+//! key (`$setOnInsert` on `_id`, what `--apply-mongo` does) and records
+//! every re-execution that found the document already there.
 
 use std::collections::BTreeMap;
 
@@ -36,6 +39,9 @@ pub enum CellStore {
     /// The Redis lease store, and a connection for the ledger.
     #[cfg(feature = "redis")]
     Redis(idemq::store::redis::RedisStore),
+    /// The MongoDB lease store; the ledger is collections of its database.
+    #[cfg(feature = "mongodb")]
+    Mongo(idemq::store::mongo::MongoStore),
 }
 
 /// What a cell needs of a SQL store: its admin side and plain statements
@@ -114,6 +120,23 @@ pub fn redis_prefix(table_prefix: &str) -> String {
     }
 }
 
+/// The MongoDB collections of a lease-store ledger named `base`: the
+/// orders by key, and one document per re-execution that found its order
+/// already written.
+#[cfg(feature = "mongodb")]
+pub fn mongo_ledger_names(base: &str) -> [String; 2] {
+    [base.to_owned(), format!("{base}_rewrites")]
+}
+
+/// A collection of the Mongo store's database.
+#[cfg(feature = "mongodb")]
+fn mongo_collection(
+    store: &idemq::store::mongo::MongoStore,
+    name: &str,
+) -> idemq::effect::mongo::mongodb::Collection<idemq::effect::mongo::mongodb::bson::Document> {
+    store.database().collection(name)
+}
+
 impl CellStore {
     /// Connects to the store `url` names with the cell's table prefix.
     pub async fn connect(url: &StoreUrl, prefix: &str) -> Result<Self> {
@@ -135,10 +158,18 @@ impl CellStore {
                 ))
             }
             #[cfg(feature = "mongodb")]
-            Kind::Mongo => Err(crate::exit::usage(format!(
-                "idemq chaos does not run against {url} yet: its cells cover the SQL stores \
-                 and Redis; the MongoDB store's crash tests are in tests/backends"
-            ))),
+            Kind::Mongo => {
+                use idemq::store::mongo::{MongoOptions, MongoStore};
+                let (options, plain) = MongoOptions::default()
+                    .prefix(prefix)
+                    .with_url_params(&url.url)
+                    .with_context(|| format!("the options of {url}"))?;
+                Ok(CellStore::Mongo(
+                    MongoStore::connect_with(&plain, options)
+                        .await
+                        .with_context(|| format!("connecting to {url}"))?,
+                ))
+            }
         }
     }
 
@@ -149,6 +180,8 @@ impl CellStore {
             CellStore::Sql(s) => s.admin(),
             #[cfg(feature = "redis")]
             CellStore::Redis(s) => s,
+            #[cfg(feature = "mongodb")]
+            CellStore::Mongo(s) => s,
         }
     }
 
@@ -157,8 +190,28 @@ impl CellStore {
         match self {
             #[cfg(feature = "redis")]
             CellStore::Redis(_) => false,
+            #[cfg(feature = "mongodb")]
+            CellStore::Mongo(_) => false,
             #[allow(unreachable_patterns)]
             _ => true,
+        }
+    }
+
+    /// What the ledger of a lease store is (for the cell's notes).
+    pub fn lease_ledger_note(&self) -> &'static str {
+        match self {
+            #[cfg(feature = "mongodb")]
+            CellStore::Mongo(_) => {
+                "lease store: the ledger is an upsert keyed by the order ($setOnInsert on _id, \
+                 what --apply-mongo does), not a table in the inbox transaction; re-executions \
+                 that found the order written are counted as rewrites"
+            }
+            #[allow(unreachable_patterns)]
+            _ => {
+                "lease store: the ledger is an effect keyed by the derived idempotency key and \
+                 fenced by the lease's fencing number (the documented lease-store pattern), not a \
+                 table in the inbox transaction"
+            }
         }
     }
 
@@ -186,6 +239,12 @@ impl CellStore {
                     .query_async(&mut conn)
                     .await?;
             }
+            #[cfg(feature = "mongodb")]
+            CellStore::Mongo(s) => {
+                for name in mongo_ledger_names(table) {
+                    mongo_collection(s, &name).drop().await?;
+                }
+            }
         }
         Ok(())
     }
@@ -204,6 +263,13 @@ impl CellStore {
                 redis::cmd("HLEN")
                     .arg(ledger)
                     .query_async(&mut conn)
+                    .await?
+            }
+            #[cfg(feature = "mongodb")]
+            CellStore::Mongo(s) => {
+                let [ledger, _] = mongo_ledger_names(table);
+                mongo_collection(s, &ledger)
+                    .count_documents(idemq::effect::mongo::mongodb::bson::doc! {})
                     .await?
             }
         })
@@ -238,6 +304,36 @@ impl CellStore {
                         Some((key.to_owned(), amount.parse().ok()?))
                     })
                     .collect()
+            }
+            #[cfg(feature = "mongodb")]
+            CellStore::Mongo(s) => {
+                use futures_util::TryStreamExt;
+                use idemq::effect::mongo::mongodb::bson::doc;
+                let [ledger, rewrites] = mongo_ledger_names(table);
+                state.rewrites = Some(
+                    mongo_collection(s, &rewrites)
+                        .count_documents(doc! {})
+                        .await?,
+                );
+                let documents: Vec<_> = mongo_collection(s, &ledger)
+                    .find(doc! {})
+                    .await?
+                    .try_collect()
+                    .await?;
+                documents
+                    .iter()
+                    .map(|d| {
+                        let key = d.get_str("_id").context("a ledger _id that is not a key")?;
+                        let amount = match d.get("amount") {
+                            Some(idemq::effect::mongo::mongodb::bson::Bson::Int32(n)) => {
+                                i64::from(*n)
+                            }
+                            Some(idemq::effect::mongo::mongodb::bson::Bson::Int64(n)) => *n,
+                            other => anyhow::bail!("ledger {key}: amount {other:?}"),
+                        };
+                        Ok((key.to_owned(), amount))
+                    })
+                    .collect::<Result<_>>()?
             }
         };
         for (key, amount) in rows {

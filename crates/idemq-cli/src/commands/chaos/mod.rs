@@ -40,7 +40,8 @@ pub const LONG_ABOUT: &str = "Fault injection against your own broker and databa
     {\"order_id\",\"amount\"} with duplicates of both kinds (same message id; a producer retry \
     with a new id and the same order_id) and --poison messages (not JSON; no order_id); runs \
     --workers processes of this binary (`idemq consume --apply-sql 'INSERT INTO <ledger> …'`; \
-    for redis:// a fenced, keyed effect instead), kills them with SIGKILL at random moments \
+    for redis:// a fenced, keyed effect instead; for mongodb:// an upsert keyed by the order, as \
+    --apply-mongo does), kills them with SIGKILL at random moments \
     (--kills) and, in a build with the `failpoints` feature, at the named points of the protocol \
     (--kill-at), restarts every killed worker, optionally runs --restart-db / --restart-broker \
     mid-run, and when the workers have drained the source checks: every order in the ledger \
@@ -139,7 +140,7 @@ pub struct ChaosArgs {
     #[arg(long, requires = "watermark")]
     concurrent_records: bool,
 
-    /// Lease of the Redis store's claims (short, so a killed holder's keys free up soon).
+    /// Lease of the lease stores' claims (Redis, MongoDB; short, so a killed holder's keys free up soon).
     #[arg(long, default_value = "2s", value_name = "DURATION", value_parser = humantime::parse_duration)]
     lease: Duration,
 
@@ -490,12 +491,7 @@ impl CellRun<'_> {
             ..Cell::default()
         };
         if !setup.sql {
-            cell.notes.push(
-                "lease store: the ledger is an effect keyed by the derived idempotency key and \
-                 fenced by the lease's fencing number (the documented lease-store pattern), not a \
-                 table in the inbox transaction"
-                    .to_owned(),
-            );
+            cell.notes.push(store.lease_ledger_note().to_owned());
         }
         let started = Instant::now();
 
@@ -1038,7 +1034,7 @@ async fn check(
     }
     if let Some(rewrites) = cell.rewrites {
         cell.notes.push(format!(
-            "lease store: {rewrites} effect writes repeated by a later lease holder and absorbed by the keyed, fenced write"
+            "lease store: {rewrites} effect writes repeated by a later lease holder and absorbed by the keyed write"
         ));
     }
     Ok(())

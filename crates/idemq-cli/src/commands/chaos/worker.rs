@@ -108,9 +108,10 @@ pub fn arm_kill_points() {
     }
 }
 
-/// `idemq chaos-worker` (hidden): consumes SOURCE into a Redis lease store,
-/// writing each order to the ledger as an effect keyed by its derived
-/// idempotency key and fenced by the lease's fencing number.
+/// `idemq chaos-worker` (hidden): consumes SOURCE into a lease store. On
+/// Redis each order is written to the ledger as an effect keyed by its
+/// derived idempotency key and fenced by the lease's fencing number; on
+/// MongoDB it is upserted once by its key, as `--apply-mongo` does.
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
     /// The source, as for `consume`.
@@ -119,7 +120,7 @@ pub struct WorkerArgs {
     /// The consumer name.
     #[arg(long, value_name = "NAME")]
     consumer: String,
-    /// The ledger's Redis key base.
+    /// The ledger's Redis key base, or MongoDB collection name.
     #[arg(long, value_name = "KEY")]
     ledger: String,
     /// Stop when no message has arrived for this long.
@@ -139,33 +140,36 @@ pub struct WorkerArgs {
     no_checkpoint: bool,
 }
 
-/// Runs the lease-store worker.
-#[cfg(feature = "redis")]
+/// Runs the lease-store worker on the store `--store` names.
 pub async fn run(args: WorkerArgs, global: &crate::GlobalArgs) -> Result<ExitCode> {
-    use anyhow::Context as _;
-    use idemq::store::redis::{RedisOptions, RedisStore};
-    use idemq::store::StoreAdmin;
-    use idemq::{Consumer, KeySpec, RetryPolicy};
-
-    use super::ledger::{redis_ledger_keys, redis_prefix};
     use crate::backend::{Kind, StoreUrl};
 
     let url: StoreUrl = global.store.parse().map_err(crate::exit::usage)?;
-    if url.kind != Kind::Redis {
-        return Err(crate::exit::usage(
-            "chaos-worker is for lease stores (redis://); SQL stores use `consume --apply-sql`",
-        ));
+    match url.kind {
+        #[cfg(feature = "redis")]
+        Kind::Redis => run_redis(args, global, &url).await,
+        #[cfg(feature = "mongodb")]
+        Kind::Mongo => run_mongo(args, global, &url).await,
+        #[allow(unreachable_patterns)]
+        _ => Err(crate::exit::usage(
+            "chaos-worker is for lease stores (redis://, mongodb://); SQL stores use \
+             `consume --apply-sql`",
+        )),
     }
-    let options = RedisOptions::default().prefix(redis_prefix(&global.table_prefix));
-    let store = RedisStore::connect_with(&url.url, options)
-        .await
-        .map_err(|e| crate::backend::connect_error(&url, e))?;
+}
+
+/// Consumes the worker's source into `store` with `handler` and prints the
+/// summary.
+#[cfg(any(feature = "redis", feature = "mongodb"))]
+async fn consume<S, H>(args: WorkerArgs, store: S, handler: H) -> Result<ExitCode>
+where
+    S: idemq::store::Store + idemq::store::StoreAdmin,
+    H: idemq::Handler<S::Tx> + 'static,
+{
+    use anyhow::Context as _;
+    use idemq::{Consumer, KeySpec, RetryPolicy};
+
     store.migrate().await.context("migrating")?;
-    let handler = FencedLedger {
-        conn: store.connection().clone(),
-        keys: redis_ledger_keys(&args.ledger),
-        script: redis::Script::new(FENCED_WRITE),
-    };
     let consumer = Consumer::builder(args.consumer.as_str(), store)
         .key(KeySpec::json("/order_id"))
         .handler(handler)
@@ -190,12 +194,88 @@ pub async fn run(args: WorkerArgs, global: &crate::GlobalArgs) -> Result<ExitCod
     Ok(ExitCode::SUCCESS)
 }
 
-/// Runs the lease-store worker: not in builds without Redis.
-#[cfg(not(feature = "redis"))]
-pub async fn run(_args: WorkerArgs, _global: &crate::GlobalArgs) -> Result<ExitCode> {
-    Err(crate::exit::usage(crate::backend::compiled_out(
-        "Redis", "redis",
-    )))
+/// The Redis worker: a fenced, keyed effect per order.
+#[cfg(feature = "redis")]
+async fn run_redis(
+    args: WorkerArgs,
+    global: &crate::GlobalArgs,
+    url: &crate::backend::StoreUrl,
+) -> Result<ExitCode> {
+    use idemq::store::redis::{RedisOptions, RedisStore};
+
+    use super::ledger::{redis_ledger_keys, redis_prefix};
+
+    let options = RedisOptions::default().prefix(redis_prefix(&global.table_prefix));
+    let store = RedisStore::connect_with(&url.url, options)
+        .await
+        .map_err(|e| crate::backend::connect_error(url, e))?;
+    let handler = FencedLedger {
+        conn: store.connection().clone(),
+        keys: redis_ledger_keys(&args.ledger),
+        script: redis::Script::new(FENCED_WRITE),
+    };
+    consume(args, store, handler).await
+}
+
+/// The MongoDB worker: each order upserted once by its key
+/// (`idemq::effect::mongo::upsert_once`, what `--apply-mongo` does), and
+/// every re-execution that found its document already written recorded in
+/// the ledger's rewrites collection.
+#[cfg(feature = "mongodb")]
+async fn run_mongo(
+    args: WorkerArgs,
+    global: &crate::GlobalArgs,
+    url: &crate::backend::StoreUrl,
+) -> Result<ExitCode> {
+    use idemq::store::mongo::{MongoOptions, MongoStore};
+
+    use super::ledger::mongo_ledger_names;
+
+    let (options, url_text) = MongoOptions::default()
+        .prefix(&global.table_prefix)
+        .with_url_params(&url.url)
+        .map_err(|e| crate::backend::connect_error(url, e))?;
+    let store = MongoStore::connect_with(&url_text, options)
+        .await
+        .map_err(|e| crate::backend::connect_error(url, e))?;
+    let [ledger, rewrites] = mongo_ledger_names(&args.ledger);
+    let handler = UpsertLedger {
+        ledger: store.database().collection(&ledger),
+        rewrites: store.database().collection(&rewrites),
+    };
+    consume(args, store, handler).await
+}
+
+/// The MongoDB handler of the chaos ledger.
+#[cfg(feature = "mongodb")]
+struct UpsertLedger {
+    ledger:
+        idemq::effect::mongo::mongodb::Collection<idemq::effect::mongo::mongodb::bson::Document>,
+    rewrites:
+        idemq::effect::mongo::mongodb::Collection<idemq::effect::mongo::mongodb::bson::Document>,
+}
+
+#[cfg(feature = "mongodb")]
+impl<Tx: Send + 'static> idemq::Handler<Tx> for UpsertLedger {
+    fn handle<'a>(
+        &'a self,
+        ctx: &'a idemq::Context<'a>,
+        _lease: &'a mut Tx,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = idemq::HandlerResult> + Send + 'a>>
+    {
+        use idemq::effect::mongo::{document_of, mongodb::bson::doc, upsert_once, Upserted};
+        use idemq::HandlerError;
+        Box::pin(async move {
+            let document = document_of(ctx.message)?;
+            if upsert_once(&self.ledger, ctx.key, document).await? == Upserted::AlreadyPresent {
+                self.rewrites
+                    .insert_one(doc! { "key": ctx.key })
+                    .await
+                    .map_err(|e| HandlerError::retryable(format!("rewrite count: {}", e.kind)))?;
+            }
+            Ok(None)
+        })
+    }
 }
 
 /// The fenced, keyed effect: KEYS = ledger, fence, writes; ARGV =
