@@ -38,7 +38,18 @@ healthy() {
   info="$(redis-cli -p 7000 cluster info 2>/dev/null)" || return 1
   grep -q 'cluster_state:ok' <<<"$info" && grep -q 'cluster_slots_ok:16384' <<<"$info" \
     && grep -q 'cluster_known_nodes:6' <<<"$info" \
-    && [ "$(redis-cli -p 7000 cluster nodes 2>/dev/null | grep -c ' slave ')" = 3 ]
+    && [ "$(redis-cli -p 7000 cluster nodes 2>/dev/null | grep -c ' slave ')" = 3 ] \
+    && every_node_ok
+}
+
+# Each node's own view: a node that has not yet heard of every slot's owner
+# answers CLUSTERDOWN to a client that asks it first (a test right after the
+# creation failed so).
+every_node_ok() {
+  local port
+  for port in $PORTS; do
+    redis-cli -p "$port" cluster info 2>/dev/null | grep -q 'cluster_state:ok' || return 1
+  done
 }
 
 wait_healthy() {

@@ -285,49 +285,45 @@ impl<B: Backend + Clone> Backend for idemq::store::cache::CachedStore<B> {
     // The cache wraps single key claims: no batch or watermark mode.
 }
 
-/// The Redis lease store: no SQL; handlers get a lease with a fencing token.
-#[cfg(feature = "redis")]
-impl Backend for idemq::store::redis::RedisStore {
-    const SQL: Option<SqlDialect> = None;
+/// The [`Backend`] of a lease store (no SQL; handlers get a lease with a
+/// fencing token): batches run over its work units, and there is no
+/// watermark mode (it keeps no offsets in a transaction with the effects).
+#[cfg(any(feature = "redis", feature = "mongodb"))]
+macro_rules! lease_backend {
+    ($(#[$meta:meta])* $store:ty) => {
+        $(#[$meta])*
+        impl Backend for $store {
+            const SQL: Option<SqlDialect> = None;
 
-    fn sql_handler(_statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
-        None
-    }
+            fn sql_handler(_statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
+                None
+            }
 
-    /// A batch's leases are claimed in one round trip and completed in another.
-    async fn run_batched(
-        consumer: &Consumer<Self>,
-        source: Box<dyn Source>,
-        options: BatchOptions,
-        shutdown: ShutdownSignal<'_>,
-    ) -> Option<Result<Summary, SourceError>> {
-        Some(consumer.run_batched_until(source, options, shutdown).await)
-    }
-
-    // No watermark mode: Redis keeps no offsets in a transaction with the effects.
+            async fn run_batched(
+                consumer: &Consumer<Self>,
+                source: Box<dyn Source>,
+                options: BatchOptions,
+                shutdown: ShutdownSignal<'_>,
+            ) -> Option<Result<Summary, SourceError>> {
+                Some(consumer.run_batched_until(source, options, shutdown).await)
+            }
+        }
+    };
 }
 
-/// The MongoDB lease store: no SQL; handlers get a lease with a fencing token.
-#[cfg(feature = "mongodb")]
-impl Backend for idemq::store::mongo::MongoStore {
-    const SQL: Option<SqlDialect> = None;
+lease_backend!(
+    /// The Redis lease store: a batch's leases are claimed in one round trip
+    /// and completed in another.
+    #[cfg(feature = "redis")]
+    idemq::store::redis::RedisStore
+);
 
-    fn sql_handler(_statement: Arc<SqlStatement>) -> Option<BoxedHandler<Self::Tx>> {
-        None
-    }
-
-    /// A batch's leases are claimed with one unordered insert and completed with another.
-    async fn run_batched(
-        consumer: &Consumer<Self>,
-        source: Box<dyn Source>,
-        options: BatchOptions,
-        shutdown: ShutdownSignal<'_>,
-    ) -> Option<Result<Summary, SourceError>> {
-        Some(consumer.run_batched_until(source, options, shutdown).await)
-    }
-
-    // No watermark mode: the store keeps no offsets with the effects.
-}
+lease_backend!(
+    /// The MongoDB lease store: a batch's leases are claimed with one
+    /// unordered insert and completed with another.
+    #[cfg(feature = "mongodb")]
+    idemq::store::mongo::MongoStore
+);
 
 /// A database whose [`SqlStore`] the CLI drives: how `--apply-sql` is
 /// written for it. One line per database; everything else is generic.
