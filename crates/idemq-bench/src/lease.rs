@@ -166,7 +166,8 @@ async fn idemq_redis_batched(
     Ok(rate(n, elapsed))
 }
 
-async fn cleanup(conn: &ConnectionManager, prefix: &str) -> anyhow::Result<()> {
+/// Deletes every key under `prefix:` (SCAN and UNLINK).
+pub(crate) async fn cleanup(conn: &ConnectionManager, prefix: &str) -> anyhow::Result<()> {
     let mut conn = conn.clone();
     let mut cursor: u64 = 0;
     loop {

@@ -13,13 +13,18 @@
 //! - end to end: JSON lines and each reachable broker (RabbitMQ, Kafka, NATS
 //!   JetStream, Redis Streams, MQTT, SQS, RocketMQ) → PostgreSQL;
 //! - the outbox relay: a PostgreSQL outbox → each reachable broker, one row
-//!   at a time and pipelined, beside the broker's raw publish rate.
+//!   at a time and pipelined, beside the broker's raw publish rate;
+//! - peers (`--only peers`): AWS Lambda Powertools' idempotency utility
+//!   (Python, its Redis layer) beside idemq's Redis store, and a hand-written
+//!   sqlx inbox (check-then-insert, insert-first) beside idemq per-message
+//!   and batch mode on PostgreSQL, on the same messages with redeliveries.
 //!
 //! Run `scripts/bench.sh` (release build); `--help` lists the knobs.
 
 mod claim;
 mod e2e;
 mod lease;
+mod peers;
 mod relay;
 mod report;
 mod sql;
@@ -179,11 +184,17 @@ pub struct Config {
     )]
     pub relay_brokers: Vec<String>,
 
-    /// Sections to run, comma-separated: sql, claim, redis, cluster, memory, e2e, relay.
+    /// Python of the virtual environment holding AWS Lambda Powertools for
+    /// the peer rows (default: target/bench-venv/bin/python of this
+    /// checkout, which scripts/bench.sh installs); missing → those rows are skipped.
+    #[arg(long, env = "IDEMQ_BENCH_PYTHON")]
+    pub peer_python: Option<std::path::PathBuf>,
+
+    /// Sections to run, comma-separated: sql, claim, redis, cluster, memory, e2e, relay, peers.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "sql,claim,redis,memory,e2e,relay"
+        default_value = "sql,claim,redis,memory,e2e,relay,peers"
     )]
     pub only: Vec<String>,
 }
@@ -397,8 +408,14 @@ async fn main() -> anyhow::Result<()> {
         rows.extend(r);
         notes.extend(n);
     }
+    if cfg.runs("peers") {
+        let (r, n, v) = peers::rows(&cfg).await.context("peer rows")?;
+        rows.extend(r);
+        notes.extend(n);
+        versions.extend(v);
+    }
     if versions.iter().all(|(w, _)| !w.starts_with("PostgreSQL"))
-        && (cfg.runs("claim") || cfg.runs("e2e") || cfg.runs("relay"))
+        && (cfg.runs("claim") || cfg.runs("e2e") || cfg.runs("relay") || cfg.runs("peers"))
     {
         if let Ok(v) = sql::postgres_version(&cfg.postgres).await {
             versions.push(v);
