@@ -112,6 +112,9 @@ pub trait SqlTestStore: Store + StoreAdmin + Clone + Sized {
     const URL_ENV: &'static str;
     const DEFAULT_URL: &'static str;
     async fn open(url: &str, prefix: &str) -> Self;
+    /// A second store on the same pool and tables (another process's view:
+    /// nothing it remembers is shared).
+    fn another(&self) -> Self;
     async fn exec(&self, sql: &str);
     fn insert_sql(table: &str) -> String;
     async fn rows(&self, sql: &str) -> Vec<(String, i64)>;
@@ -135,6 +138,11 @@ macro_rules! sql_test_store {
                 <$store>::connect_with(url, options)
                     .await
                     .expect("connect to the test database")
+            }
+            fn another(&self) -> Self {
+                let options =
+                    idemq::store::sql::SqlOptions::default().table_prefix(&self.tables().prefix);
+                <$store>::from_pool(self.pool().clone(), options).expect("a second store")
             }
             async fn exec(&self, sql: &str) {
                 sqlx::query(sql).execute(self.pool()).await.expect(sql);

@@ -10,10 +10,21 @@ mod backend;
 mod batch;
 mod scenarios;
 
+/// SQL-only scenarios of one store.
+macro_rules! sql_only {
+    ($store:ty) => {
+        #[tokio::test]
+        async fn attempts_counted_elsewhere_do_not_make_a_processed_key_failing() {
+            crate::scenarios::attempts_counted_elsewhere::<$store>().await
+        }
+    };
+}
+
 #[cfg(feature = "mysql")]
 mod mysql {
     crate::scenarios::suite!(crate::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>);
     crate::batch::batch_suite!(crate::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>);
+    sql_only!(idemq::store::sql::mysql::MySqlStore);
 }
 
 #[cfg(feature = "postgres")]
@@ -24,12 +35,14 @@ mod postgres {
     crate::batch::batch_suite!(
         crate::backend::SqlBackend<idemq::store::sql::postgres::PostgresStore>
     );
+    sql_only!(idemq::store::sql::postgres::PostgresStore);
 }
 
 #[cfg(feature = "sqlite")]
 mod sqlite {
     crate::scenarios::suite!(crate::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);
     crate::batch::batch_suite!(crate::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);
+    sql_only!(idemq::store::sql::sqlite::SqliteStore);
 }
 
 #[cfg(feature = "redis")]

@@ -881,3 +881,81 @@ pub async fn a_handler_past_its_timeout_is_rolled_back_and_retried<B: Backend>()
     );
     backend.cleanup().await;
 }
+
+/// A SQL commit deletes a key's failed attempts only when this store counted
+/// one (most keys never fail: no round trip for them). Failures counted by
+/// another process stay as history after the key is processed here: they
+/// are not "failing" in `stats`, and a failure counted by the committing
+/// store is cleared with its commit.
+pub async fn attempts_counted_elsewhere<S: crate::backend::SqlTestStore>()
+where
+    S::Tx: Send,
+{
+    use idemq::store::{Claim, ClaimRequest};
+
+    let backend = crate::backend::SqlBackend::<S>::fresh().await;
+    let here = backend.store();
+    let elsewhere = here.another();
+    let req = |key| ClaimRequest {
+        consumer: "failing",
+        key,
+        fingerprint: "f",
+        lease: Duration::from_secs(30),
+    };
+    let failing_count = |stats: Vec<idemq::store::ConsumerStats>| {
+        stats
+            .iter()
+            .find(|s| s.consumer == "failing")
+            .map_or(0, |s| s.failing)
+    };
+
+    // Counted by the other process, then processed here.
+    assert_eq!(
+        elsewhere
+            .record_failure("failing", "a", "boom")
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(failing_count(here.stats().await.unwrap()), 1);
+    let Claim::New(tx) = here.claim(&req("a")).await.unwrap() else {
+        panic!("a is new")
+    };
+    here.commit(tx, &req("a"), None).await.unwrap();
+    assert_eq!(
+        failing_count(here.stats().await.unwrap()),
+        0,
+        "a processed key is not failing"
+    );
+    let a = here.inspect("failing", "a").await.unwrap();
+    assert!(a.inbox.is_some());
+    assert_eq!(a.attempts.map(|r| r.attempts), Some(1), "kept as history");
+
+    // Counted here, then processed here: cleared with the commit.
+    assert_eq!(
+        here.record_failure("failing", "b", "boom").await.unwrap(),
+        1
+    );
+    assert_eq!(
+        here.record_failure("failing", "b", "boom").await.unwrap(),
+        2
+    );
+    let Claim::New(tx) = here.claim(&req("b")).await.unwrap() else {
+        panic!("b is new")
+    };
+    here.commit(tx, &req("b"), None).await.unwrap();
+    assert!(here
+        .inspect("failing", "b")
+        .await
+        .unwrap()
+        .attempts
+        .is_none());
+
+    // Still failing (not processed anywhere): counted.
+    elsewhere
+        .record_failure("failing", "c", "boom")
+        .await
+        .unwrap();
+    assert_eq!(failing_count(here.stats().await.unwrap()), 1);
+    backend.cleanup().await;
+}

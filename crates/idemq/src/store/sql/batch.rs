@@ -173,16 +173,27 @@ impl<DB: SqlDatabase> SqlStore<DB> {
                 self.set_result(&mut tx, consumer, key, result).await?;
             }
         }
-        if !processed.is_empty() {
-            let sql = self.batch.clear_attempts(processed.len());
+        // Only keys this store counted a failure for can have attempts to
+        // clear (see `failed_keys`).
+        let failed: Vec<&str> = processed
+            .iter()
+            .map(|(key, _)| *key)
+            .filter(|key| self.failed.may_have(consumer, key))
+            .collect();
+        if !failed.is_empty() {
+            let sql = self.batch.clear_attempts(failed.len());
             let binds: Vec<Bind<'_>> = std::iter::once(Bind::Text(consumer))
-                .chain(processed.iter().map(|(key, _)| Bind::Text(key)))
+                .chain(failed.iter().map(|key| Bind::Text(key)))
                 .collect();
             DB::execute(&mut tx, &sql, &binds)
                 .await
                 .map_err(store_error)?;
         }
-        tx.commit().await.map_err(store_error)
+        tx.commit().await.map_err(store_error)?;
+        for key in failed {
+            self.failed.forget(consumer, key);
+        }
+        Ok(())
     }
 }
 

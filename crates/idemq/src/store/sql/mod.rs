@@ -14,6 +14,7 @@
 
 mod batch;
 pub mod database;
+mod failed_keys;
 mod journal;
 pub mod queries;
 mod rewind;

@@ -116,7 +116,7 @@ pub struct Queries {
     pub stats_inbox: String,
     /// Returns consumer, count.
     pub stats_dead_letters: String,
-    /// Returns consumer, count.
+    /// Returns consumer, count of keys with failed attempts and not processed.
     pub stats_failing: String,
     /// Binds: after_id, limit.
     pub dead_letters_all: String,
@@ -356,7 +356,13 @@ impl Queries {
             stats_dead_letters: format!(
                 "SELECT {consumer_col}, COUNT(*) FROM {dead} GROUP BY consumer"
             ),
-            stats_failing: format!("SELECT {consumer_col}, COUNT(*) FROM {attempts} GROUP BY consumer"),
+            // Keys still failing: the attempts of a key processed since (its
+            // failures counted by another process) are history, not failing.
+            stats_failing: format!(
+                "SELECT {consumer_col}, COUNT(*) FROM {attempts} a WHERE NOT EXISTS \
+                 (SELECT 1 FROM {inbox} i WHERE i.consumer = a.consumer AND i.msg_key = a.msg_key) \
+                 GROUP BY consumer"
+            ),
             dead_letters_all: format!(
                 "SELECT {dl_cols} FROM {dead} WHERE id > ? ORDER BY id LIMIT ?"
             ),

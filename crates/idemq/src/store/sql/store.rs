@@ -55,6 +55,9 @@ pub struct SqlStore<DB: SqlDatabase> {
     pub(super) batch: Arc<BatchQueries>,
     tables: Tables,
     journal: Arc<tokio::sync::OnceCell<sqlx::Pool<DB>>>,
+    /// Keys with a failed attempt counted here: commits of the others skip
+    /// the `DELETE` of attempts.
+    pub(super) failed: Arc<super::failed_keys::FailedKeys>,
 }
 
 impl<DB: SqlDatabase> Clone for SqlStore<DB> {
@@ -65,6 +68,7 @@ impl<DB: SqlDatabase> Clone for SqlStore<DB> {
             batch: Arc::clone(&self.batch),
             tables: self.tables.clone(),
             journal: Arc::clone(&self.journal),
+            failed: Arc::clone(&self.failed),
         }
     }
 }
@@ -109,6 +113,7 @@ impl<DB: SqlDatabase> SqlStore<DB> {
             batch: Arc::new(BatchQueries::new(DB::DIALECT, &tables)),
             tables,
             journal: Arc::new(tokio::sync::OnceCell::new()),
+            failed: Arc::default(),
         }
     }
 
@@ -317,11 +322,20 @@ impl<DB: SqlDatabase> Store for SqlStore<DB> {
             self.set_result(&mut tx, req.consumer, req.key, result)
                 .await?;
         }
-        let binds = [Bind::Text(req.consumer), Bind::Text(req.key)];
-        DB::execute(&mut tx, &self.queries.clear_attempts, &binds)
-            .await
-            .map_err(store_error)?;
-        tx.commit().await.map_err(store_error)
+        // Only a key this store counted a failure for can have an attempts
+        // row to clear (see `failed_keys`): the others skip a round trip.
+        let failed_here = self.failed.may_have(req.consumer, req.key);
+        if failed_here {
+            let binds = [Bind::Text(req.consumer), Bind::Text(req.key)];
+            DB::execute(&mut tx, &self.queries.clear_attempts, &binds)
+                .await
+                .map_err(store_error)?;
+        }
+        tx.commit().await.map_err(store_error)?;
+        if failed_here {
+            self.failed.forget(req.consumer, req.key);
+        }
+        Ok(())
     }
 
     async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
@@ -342,6 +356,7 @@ impl<DB: SqlDatabase> Store for SqlStore<DB> {
             Bind::Int(now),
             Bind::Int(now),
         ];
+        self.failed.record(consumer, key);
         Self::execute_on(&self.pool, &self.queries.attempt_upsert, &binds).await?;
         let record = self.fetch_attempts(consumer, key).await?;
         Ok(record.map_or(1, |r| r.attempts))
@@ -378,7 +393,11 @@ impl<DB: SqlDatabase> Store for SqlStore<DB> {
                 .await
                 .map_err(store_error)?;
         }
-        tx.commit().await.map_err(store_error)
+        tx.commit().await.map_err(store_error)?;
+        if let Some(key) = letter.key {
+            self.failed.forget(letter.consumer, key);
+        }
+        Ok(())
     }
 
     fn journal(&self) -> Option<&dyn crate::effect::EffectJournal> {
