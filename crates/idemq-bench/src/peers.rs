@@ -272,7 +272,6 @@ async fn idemq_redis(
     Ok(rate(set.len(), elapsed))
 }
 
-
 /// The Powertools rows beside idemq's Redis rows; `Ok(Err(note))` when the
 /// virtual environment is missing or its driver does not run.
 async fn powertools_rows(
