@@ -35,6 +35,24 @@ redis.call('DEL', KEYS[3])
 return 1
 "#;
 
+/// [`COMPLETE`] and, when it succeeds, the admin indexes of the completed
+/// key in the same script (one Redis only: the index keys are in other
+/// slots than the key's records). KEYS: rec, fence, att, the consumer's
+/// done index, its failing set, the set of consumers; ARGV: token, done
+/// value, retention ms, first-seen ms, key, retention horizon ms, consumer.
+const COMPLETE_INDEXED: &str = r#"
+if redis.call('GET', KEYS[1]) ~= 'in-flight:' .. ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('HDEL', KEYS[2], 'first_seen')
+redis.call('DEL', KEYS[3])
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[5])
+redis.call('PEXPIRE', KEYS[4], ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. ARGV[6])
+redis.call('SREM', KEYS[5], ARGV[5])
+redis.call('SADD', KEYS[6], ARGV[7])
+return 1
+"#;
+
 pub(super) const RELEASE: &str = r#"
 if redis.call('GET', KEYS[1]) == 'in-flight:' .. ARGV[1] then
   redis.call('DEL', KEYS[1])
@@ -112,6 +130,7 @@ pub(super) struct Scripts {
     pub(super) claim: Script,
     pub(super) extend: Script,
     pub(super) complete: Script,
+    pub(super) complete_indexed: Script,
     pub(super) release: Script,
     pub(super) fail: Script,
     pub(super) dead_letter: Script,
@@ -127,6 +146,7 @@ impl Scripts {
             claim: Script::new(CLAIM),
             extend: Script::new(EXTEND),
             complete: Script::new(COMPLETE),
+            complete_indexed: Script::new(COMPLETE_INDEXED),
             release: Script::new(RELEASE),
             fail: Script::new(FAIL),
             dead_letter: Script::new(DEAD_LETTER),

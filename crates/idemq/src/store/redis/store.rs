@@ -89,9 +89,10 @@ impl RedisStore {
     /// consumer's done index (its TTL renewed to `retention`, entries first
     /// seen before the retention window trimmed: their records are expired
     /// or about to), out of its failing set, and the consumer into the set
-    /// of consumers. On one Redis that is one pipeline, so a completion costs
-    /// one round trip beyond its script; on a Redis Cluster the consumer's
-    /// own keys (one slot) and the set of consumers (another) go at once.
+    /// of consumers. On one Redis that is one pipeline, one round trip beyond
+    /// a batch's completion (a single completion writes them in its own
+    /// script, `COMPLETE_INDEXED`); on a Redis Cluster the consumer's own
+    /// keys (one slot) and the set of consumers (another) go at once.
     pub(super) async fn index_completed(
         &self,
         consumer: &str,
@@ -256,15 +257,38 @@ impl Store for RedisStore {
     ) -> Result<(), StoreError> {
         lease.stop_heartbeat();
         let (c, k) = (lease.consumer.as_str(), lease.key.as_str());
-        let done: i64 = self
-            .scripts
-            .complete
-            .key(self.keys.scoped(c, k, "rec"))
-            .key(self.keys.scoped(c, k, "fence"))
-            .key(self.keys.scoped(c, k, "att"))
-            .arg(&lease.token)
-            .arg(done_value(req.fingerprint, result, lease.first_seen_ms))
-            .arg(millis(self.options.retention))
+        let retention = millis(self.options.retention);
+        let value = done_value(req.fingerprint, result, lease.first_seen_ms);
+        // On one Redis the admin indexes go in the completion's own script
+        // (one round trip); on a Cluster they live in other slots.
+        let single = self.conn.is_single();
+        let invocation = if single {
+            let mut inv = self.scripts.complete_indexed.prepare_invoke();
+            inv.key(self.keys.scoped(c, k, "rec"))
+                .key(self.keys.scoped(c, k, "fence"))
+                .key(self.keys.scoped(c, k, "att"))
+                .key(self.keys.consumer(c, "done"))
+                .key(self.keys.consumer(c, "failing"))
+                .key(self.keys.consumers())
+                .arg(&lease.token)
+                .arg(&value)
+                .arg(retention)
+                .arg(lease.first_seen_ms)
+                .arg(k)
+                .arg(self.retention_horizon())
+                .arg(c);
+            inv
+        } else {
+            let mut inv = self.scripts.complete.prepare_invoke();
+            inv.key(self.keys.scoped(c, k, "rec"))
+                .key(self.keys.scoped(c, k, "fence"))
+                .key(self.keys.scoped(c, k, "att"))
+                .arg(&lease.token)
+                .arg(&value)
+                .arg(retention);
+            inv
+        };
+        let done: i64 = invocation
             .invoke_async(&mut self.conn())
             .await
             .map_err(map_err)?;
@@ -273,8 +297,10 @@ impl Store for RedisStore {
             return Err(StoreError::lease_lost(&lease.key));
         }
         self.wait_for_replicas(c, k).await?;
-        self.index_completed(c, &[(lease.first_seen_ms, k)], self.options.retention)
-            .await;
+        if !single {
+            self.index_completed(c, &[(lease.first_seen_ms, k)], self.options.retention)
+                .await;
+        }
         Ok(())
     }
 
