@@ -85,7 +85,7 @@ impl<S: std::fmt::Debug> std::fmt::Debug for CachedStore<S> {
 
 impl<S> CachedStore<S> {
     /// Wraps `inner` without any cache yet: add [`local`](Self::local)
-    /// and/or [`redis`](Self::redis).
+    /// and/or `redis` (feature `redis`).
     pub fn new(inner: S) -> Self {
         Self {
             inner,
