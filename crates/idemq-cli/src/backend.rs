@@ -288,7 +288,7 @@ impl<B: Backend + Clone> Backend for idemq::store::cache::CachedStore<B> {
 /// The [`Backend`] of a lease store (no SQL; handlers get a lease with a
 /// fencing token): batches run over its work units, and there is no
 /// watermark mode (it keeps no offsets in a transaction with the effects).
-#[cfg(any(feature = "redis", feature = "mongodb"))]
+#[cfg_attr(not(any(feature = "redis", feature = "mongodb")), allow(unused_macros))]
 macro_rules! lease_backend {
     ($(#[$meta:meta])* $store:ty) => {
         $(#[$meta])*

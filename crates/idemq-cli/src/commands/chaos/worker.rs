@@ -142,19 +142,20 @@ pub struct WorkerArgs {
 
 /// Runs the lease-store worker on the store `--store` names.
 pub async fn run(args: WorkerArgs, global: &crate::GlobalArgs) -> Result<ExitCode> {
-    use crate::backend::{Kind, StoreUrl};
-
-    let url: StoreUrl = global.store.parse().map_err(crate::exit::usage)?;
+    let url: crate::backend::StoreUrl = global.store.parse().map_err(crate::exit::usage)?;
     match url.kind {
         #[cfg(feature = "redis")]
-        Kind::Redis => run_redis(args, global, &url).await,
+        crate::backend::Kind::Redis => run_redis(args, global, &url).await,
         #[cfg(feature = "mongodb")]
-        Kind::Mongo => run_mongo(args, global, &url).await,
+        crate::backend::Kind::Mongo => run_mongo(args, global, &url).await,
         #[allow(unreachable_patterns)]
-        _ => Err(crate::exit::usage(
-            "chaos-worker is for lease stores (redis://, mongodb://); SQL stores use \
-             `consume --apply-sql`",
-        )),
+        _ => {
+            drop(args);
+            Err(crate::exit::usage(
+                "chaos-worker is for lease stores (redis://, mongodb://); SQL stores use \
+                 `consume --apply-sql`",
+            ))
+        }
     }
 }
 
