@@ -239,11 +239,7 @@ pub async fn redis_rows(cfg: &Config) -> anyhow::Result<(Vec<Row>, (String, Stri
         idemq_redis_batched(&store, 1000, depth, batches).await?;
         let mut m: [Vec<f64>; 6] = Default::default();
         for r in 0..cfg.rounds {
-            let mut order: Vec<usize> = (0..6).collect();
-            if !a_first(r) {
-                order.reverse();
-            }
-            for which in order {
+            for which in crate::round_order(r, 6) {
                 let v = match which {
                     0 => raw_tasks(&raw, &prefix, seq_n, 1).await?,
                     1 => idemq_redis(&store, seq_n, 1).await?,
@@ -351,11 +347,7 @@ pub async fn cluster_rows(cfg: &Config) -> anyhow::Result<Vec<Row>> {
     idemq_redis(&cluster, 200, 1).await?;
     let mut m: [Vec<f64>; 4] = Default::default();
     for r in 0..cfg.rounds {
-        let mut order: Vec<usize> = (0..4).collect();
-        if !a_first(r) {
-            order.reverse();
-        }
-        for which in order {
+        for which in crate::round_order(r, 4) {
             let v = match which {
                 0 => idemq_redis(&single, n, depth).await?,
                 1 => idemq_redis(&cluster, n, depth).await?,

@@ -321,6 +321,16 @@ pub fn a_first(r: usize) -> bool {
     r % 2 == 0
 }
 
+/// The order in which round `r` runs `n` alternatives: forwards on the
+/// rounds where the baseline goes first, backwards on the others.
+pub fn round_order(r: usize, n: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    if !a_first(r) {
+        order.reverse();
+    }
+    order
+}
+
 fn machine(lines: &[(String, String)]) -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()

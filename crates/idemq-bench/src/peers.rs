@@ -42,7 +42,7 @@ use idemq::{handler_fn, Consumer, KeySpec, Message, OutcomeKind, Summary};
 
 use crate::report::{median, paired, Row};
 use crate::sql::{postgres, prefix, CONSUMER};
-use crate::{a_first, drain, payment_key, progress, rate, Config, Payment};
+use crate::{drain, payment_key, progress, rate, Config, Payment};
 
 /// idemq per-message on Redis ≥ this many times Powertools sequential (issue 16).
 pub const POWERTOOLS_TARGET: f64 = 10.0;
@@ -330,11 +330,7 @@ async fn measure_redis(
     idemq_redis(&store, &MessageSet::new(n.min(300)), threads).await?;
     let mut m: [Vec<f64>; 4] = Default::default();
     for r in 0..cfg.rounds {
-        let mut order: Vec<usize> = (0..4).collect();
-        if !a_first(r) {
-            order.reverse();
-        }
-        for which in order {
+        for which in crate::round_order(r, 4) {
             let set = MessageSet::new(n);
             let v = match which {
                 0 => {
@@ -706,11 +702,7 @@ async fn measure_postgres(
     }
     let mut m: [Vec<f64>; 4] = Default::default();
     for r in 0..cfg.rounds {
-        let mut order: Vec<usize> = (0..4).collect();
-        if !a_first(r) {
-            order.reverse();
-        }
-        for which in order {
+        for which in crate::round_order(r, 4) {
             clear().await?;
             m[which].push(run(which, MessageSet::new(n)).await?);
         }
