@@ -227,6 +227,52 @@ mod mongo {
         backend.cleanup().await;
     }
 
+    /// Keys that cannot be pruned yet (live leases, older than the cutoff)
+    /// do not hide the prunable ones behind them: a batch the size of the
+    /// live leases still prunes the abandoned keys.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn live_leases_do_not_stall_pruning() {
+        use crate::backend::Backend;
+        use idemq::store::{now_ms, Claim, ClaimRequest, Store, StoreAdmin};
+        use std::time::Duration;
+
+        let backend = crate::backend::MongoBackend::fresh().await;
+        let store = backend.store();
+        let req = |key| ClaimRequest {
+            consumer: "stall",
+            key,
+            fingerprint: "f",
+            lease: Duration::from_secs(60),
+        };
+        // Three live leases first, then two keys whose claims were released.
+        let mut held = Vec::new();
+        for key in ["a", "b", "c"] {
+            let Claim::New(lease) = store.claim(&req(key)).await.unwrap() else {
+                panic!("{key} is new")
+            };
+            held.push(lease);
+        }
+        for key in ["d", "e"] {
+            let Claim::New(lease) = store.claim(&req(key)).await.unwrap() else {
+                panic!("{key} is new")
+            };
+            store.rollback(lease).await.unwrap();
+        }
+        let pruned = store.prune_batch(now_ms() + 60_000, 2).await.unwrap();
+        assert_eq!(
+            pruned, 2,
+            "the two released keys, past the three live leases"
+        );
+        for key in ["a", "b", "c"] {
+            assert!(
+                store.inspect("stall", key).await.unwrap().in_flight,
+                "{key}"
+            );
+        }
+        drop(held);
+        backend.cleanup().await;
+    }
+
     /// The idempotent upsert effect (`idemq::effect::mongo`): the first
     /// write inserts, every later one (another payload too) rewrites
     /// nothing, sixteen racing first writes insert once, and a foreign

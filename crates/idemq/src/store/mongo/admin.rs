@@ -24,6 +24,10 @@ use crate::store::{ConsumerStats, DeadLetterRecord, KeyReport, StoreAdmin};
 /// (its marker then expires and the key lives on).
 const PRUNE_LEASE: Duration = Duration::from_secs(60);
 
+/// A prune batch reads up to this many times its size in candidate
+/// documents, so that keys it must skip (live leases) do not hide the rest.
+const PRUNE_SCAN_FACTOR: u64 = 16;
+
 /// "Namespace exists": the collection was created already.
 const NAMESPACE_EXISTS: i32 = 48;
 
@@ -382,12 +386,16 @@ impl StoreAdmin for MongoStore {
             if left == 0 {
                 break;
             }
+            // Read past the batch: keys that cannot be pruned now (a live
+            // lease, another pruner's marker) must not hide the ones behind
+            // them, or a pruner would find nothing to do while old keys wait.
+            let scan = left.saturating_mul(PRUNE_SCAN_FACTOR);
             let docs = collect(
                 self.inner
                     .inbox
                     .find(filter)
                     .projection(doc! { "consumer": 1, "key": 1, "epoch": 1 })
-                    .limit(i64::try_from(left).unwrap_or(i64::MAX))
+                    .limit(i64::try_from(scan).unwrap_or(i64::MAX))
                     .await,
             )
             .await?;
@@ -402,6 +410,9 @@ impl StoreAdmin for MongoStore {
                 })
                 .collect();
             for (consumer, key, epoch) in lives {
+                if pruned >= u64::from(batch) {
+                    break;
+                }
                 if self.prune_key(&consumer, &key, &epoch).await? {
                     pruned += 1;
                 }
