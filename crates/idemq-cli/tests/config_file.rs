@@ -197,7 +197,16 @@ fn the_process_serves_one_endpoint_for_every_job() {
             std::thread::sleep(Duration::from_millis(50));
         }
     };
-    let ready = get("/readyz");
+    // Each job adds its checks when it starts; the jobs start concurrently
+    // (the file job may still be opening the shared SQLite file).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let ready = loop {
+        let ready = get("/readyz");
+        if ready.contains("consumer files store: ok") || Instant::now() >= deadline {
+            break ready;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert!(ready.starts_with("HTTP/1.0 200"), "{ready}");
     assert!(ready.contains("consumer files store: ok"), "{ready}");
     assert!(ready.contains("consumer piped store: ok"), "{ready}");
