@@ -46,7 +46,10 @@ impl FailedKeys {
     /// Whether `key` may have an attempts row written by this store.
     pub(super) fn may_have(&self, consumer: &str, key: &str) -> bool {
         let state = self.lock();
-        state.overflowed || state.keys.contains(&(consumer.to_owned(), key.to_owned()))
+        // The common case, nothing failed here: no key is copied to look.
+        state.overflowed
+            || (!state.keys.is_empty()
+                && state.keys.contains(&(consumer.to_owned(), key.to_owned())))
     }
 
     /// Forgets `key` (its attempts row was deleted in a committed transaction).
