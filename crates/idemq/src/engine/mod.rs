@@ -41,7 +41,7 @@ pub use consumer::{
 };
 pub use handler::layers;
 pub use handler::{
-    handler_fn, AsyncFnHandler, AsyncHandlerFn, Context, FnHandler, Handler, HandlerResult,
-    StateFnHandler, StateHandlerFn,
+    handler_fn, AsyncFnHandler, AsyncHandlerFn, BatchResult, Context, FnHandler, Handler,
+    HandlerResult, StateFnHandler, StateHandlerFn,
 };
 pub use watermark::WatermarkOptions;

@@ -28,6 +28,7 @@
 use std::collections::HashMap;
 
 use super::consumer::{Consumer, Identity};
+use super::handler::Context;
 use super::lanes::LaneRelease;
 use super::run::{Direct, Runner};
 use super::unit::{Answer, Claimant, Mode, Undone, Unit};
@@ -305,55 +306,85 @@ impl<S: Store> Consumer<S> {
         let mut limited: Vec<(usize, String)> = Vec::new();
         let mut broken: Option<String> = None;
         let mut answered: Vec<(usize, InboxRecord)> = Vec::new();
+        let mut new: Vec<usize> = Vec::new();
         for (n, answer) in answers.into_iter().enumerate().take(leaders.len()) {
-            let (leader, member) = (&leaders[n], &members[leaders[n].member]);
             match answer {
-                Answer::New => {}
+                Answer::New => new.push(n),
                 Answer::Done(record) => {
                     // Answered once the unit let go of its transaction: a
                     // conflict writes a dead letter, which needs a
                     // connection of its own.
                     led[n] = Led::Done(record.clone());
                     answered.push((n, record));
-                    continue;
                 }
                 Answer::Busy(why) => {
-                    outcomes[n] = Some(self.busy(Some(leader.key.clone()), why));
-                    continue;
+                    outcomes[n] = Some(self.busy(Some(leaders[n].key.clone()), why));
                 }
             }
-            if broken.is_some() {
-                continue;
-            }
-            if let Err(e) = unit.isolate(n).await {
-                broken = Some(format!("savepoint failed: {e}"));
-                continue;
-            }
-            let result = match (self.over_delivery_limit(&member.meta), unit.tx(n)) {
-                (Some(error), _) => {
-                    limited.push((n, error));
-                    Err(None)
-                }
-                (None, Some(tx)) => self
-                    .call_handler(tx, &claims[n].req, &member.message, &member.meta)
-                    .await
-                    .map_err(Some),
-                (None, None) => {
-                    broken = Some("the unit holds no claim for this member".into());
-                    continue;
-                }
-            };
+        }
+
+        // A handler that handles batches gets the new members at once in
+        // the unit's one transaction; if it fails, the unit runs again with
+        // every member isolated and handled on its own.
+        let batch_tx = if !careful && new.len() > 1 && inner.handler.handles_batches() {
+            unit.shared()
+        } else {
+            None
+        };
+        if let Some(tx) = batch_tx {
+            let handled = self.call_batch(tx, &claims, &new, members, leaders).await;
             crate::failpoint::failpoint!("after_handler");
-            match result {
-                Ok(value) => match unit.keep(n).await {
-                    Ok(()) => done.push((n, value)),
-                    Err(e) => broken = Some(format!("releasing the savepoint failed: {e}")),
-                },
-                Err(error) => match unit.undo(n, &claims[n]).await {
-                    Ok(Undone::Member) => failures.extend(error.map(|error| (n, error))),
-                    Ok(Undone::Unit) => return None,
-                    Err(e) => broken = Some(format!("rolling back to the savepoint failed: {e}")),
-                },
+            match handled {
+                Ok(values) => done.extend(new.iter().copied().zip(values)),
+                Err(error) => {
+                    tracing::debug!(
+                        consumer = %inner.name,
+                        size = new.len(),
+                        error = %error,
+                        "the batch handler failed; the batch runs again one message at a time"
+                    );
+                    unit.abort().await;
+                    return None;
+                }
+            }
+        } else {
+            for n in new {
+                let member = &members[leaders[n].member];
+                if broken.is_some() {
+                    continue;
+                }
+                if let Err(e) = unit.isolate(n).await {
+                    broken = Some(format!("savepoint failed: {e}"));
+                    continue;
+                }
+                let result = match (self.over_delivery_limit(&member.meta), unit.tx(n)) {
+                    (Some(error), _) => {
+                        limited.push((n, error));
+                        Err(None)
+                    }
+                    (None, Some(tx)) => self
+                        .call_handler(tx, &claims[n].req, &member.message, &member.meta)
+                        .await
+                        .map_err(Some),
+                    (None, None) => {
+                        broken = Some("the unit holds no claim for this member".into());
+                        continue;
+                    }
+                };
+                crate::failpoint::failpoint!("after_handler");
+                match result {
+                    Ok(value) => match unit.keep(n).await {
+                        Ok(()) => done.push((n, value)),
+                        Err(e) => broken = Some(format!("releasing the savepoint failed: {e}")),
+                    },
+                    Err(error) => match unit.undo(n, &claims[n]).await {
+                        Ok(Undone::Member) => failures.extend(error.map(|error| (n, error))),
+                        Ok(Undone::Unit) => return None,
+                        Err(e) => {
+                            broken = Some(format!("rolling back to the savepoint failed: {e}"))
+                        }
+                    },
+                }
             }
         }
 
@@ -431,6 +462,35 @@ impl<S: Store> Consumer<S> {
             );
         }
         Some(Ran { led, outcomes })
+    }
+
+    /// Calls the handler's [`handle_batch`](crate::Handler::handle_batch)
+    /// for the new leaders `new` in the unit's transaction `tx`; one result
+    /// per leader, or the error that sends the unit back to run per member.
+    async fn call_batch(
+        &self,
+        tx: &mut S::Tx,
+        claims: &[Claimant<'_>],
+        new: &[usize],
+        members: &[Member],
+        leaders: &[Leader],
+    ) -> Result<Vec<Option<serde_json::Value>>, HandlerError> {
+        let batch: Vec<Context<'_>> = new
+            .iter()
+            .map(|&n| {
+                let member = &members[leaders[n].member];
+                self.context(&claims[n].req, &member.message, &member.meta)
+            })
+            .collect();
+        let results = self.inner.handler.handle_batch(&batch, tx).await?;
+        if results.len() != batch.len() {
+            return Err(HandlerError::retryable(format!(
+                "the batch handler returned {} results for {} messages",
+                results.len(),
+                batch.len()
+            )));
+        }
+        Ok(results)
     }
 
     /// A duplicate of a processed key, or a conflict if the payload differs.

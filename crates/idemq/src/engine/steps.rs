@@ -133,17 +133,26 @@ impl<S: Store> Consumer<S> {
         message: &Message,
         meta: &DeliveryMeta,
     ) -> HandlerResult {
-        let inner = &*self.inner;
-        let ctx = Context {
+        let ctx = self.context(req, message, meta);
+        self.inner.handler.handle(&ctx, tx).await
+    }
+
+    /// What the handler knows about a claimed message.
+    pub(crate) fn context<'a>(
+        &'a self,
+        req: &ClaimRequest<'a>,
+        message: &'a Message,
+        meta: &'a DeliveryMeta,
+    ) -> Context<'a> {
+        Context {
             consumer: req.consumer,
             key: req.key,
             fingerprint: req.fingerprint,
             message,
             meta,
             attempt: meta.delivery_count.max(1),
-            journal: inner.store.journal(),
-        };
-        inner.handler.handle(&ctx, tx).await
+            journal: self.inner.store.journal(),
+        }
     }
 
     pub(crate) async fn failed(

@@ -206,6 +206,14 @@ pub trait WorkUnit: Send + 'static {
     /// The transaction or lease member `member`'s handler writes through.
     fn tx(&mut self, member: usize) -> Option<&mut Self::Tx>;
 
+    /// The one transaction every member of a claimed unit writes through,
+    /// if the unit has one (a SQL batch); `None` if each member holds its
+    /// own (leases). A handler that [handles batches](crate::Handler::handles_batches)
+    /// gets it for the whole batch.
+    fn shared(&mut self) -> Option<&mut Self::Tx> {
+        None
+    }
+
     /// Marks the point member `member`'s work can be undone to.
     async fn isolate(&mut self, member: usize) -> Result<(), StoreError> {
         let _ = member;

@@ -94,6 +94,11 @@ pub trait Backend: Sized + Send + Sync + 'static {
     async fn ledger(&self) -> Vec<(String, i64)>;
     /// Drops the tables.
     async fn cleanup(self);
+    /// How many handler calls got more than one message at once
+    /// ([`Handler::handle_batch`]); 0 for handlers that take one at a time.
+    fn batch_calls(&self) -> u32 {
+        0
+    }
 }
 
 fn unique_prefix() -> String {
@@ -124,6 +129,13 @@ pub trait SqlTestStore: Store + StoreAdmin + Clone + Sized {
         sql: &'a str,
         key: &'a str,
         amount: i64,
+    ) -> BoxFuture<'a, Result<(), HandlerError>>;
+    /// Appends `rows` to `table` in one multi-row `INSERT` (an amount that
+    /// is not a number is bound as NULL, which the ledger refuses).
+    fn write_many<'a>(
+        tx: &'a mut Self::Tx,
+        table: &'a str,
+        rows: Vec<(String, Option<i64>)>,
     ) -> BoxFuture<'a, Result<(), HandlerError>>;
 }
 
@@ -171,6 +183,22 @@ macro_rules! sql_test_store {
                         .bind(amount)
                         .execute(&mut **tx)
                         .await?;
+                    Ok(())
+                })
+            }
+            fn write_many<'a>(
+                tx: &'a mut Self::Tx,
+                table: &'a str,
+                rows: Vec<(String, Option<i64>)>,
+            ) -> BoxFuture<'a, Result<(), HandlerError>> {
+                Box::pin(async move {
+                    let mut insert = sqlx::QueryBuilder::<$db>::new(format!(
+                        "INSERT INTO {table} (msg_key, amount) "
+                    ));
+                    insert.push_values(rows, |mut row, (key, amount)| {
+                        row.push_bind(key).push_bind(amount);
+                    });
+                    insert.build().execute(&mut **tx).await?;
                     Ok(())
                 })
             }
@@ -325,6 +353,113 @@ where
                 .exec(&format!("DROP TABLE IF EXISTS {p}{t}"))
                 .await;
         }
+    }
+}
+
+/// A SQL store whose handler writes a batch's ledger rows in one multi-row
+/// `INSERT` ([`Handler::handle_batch`]), and one row per call of
+/// [`Handler::handle`] (the per-message fallback).
+pub struct SetBasedBackend<S> {
+    sql: SqlBackend<S>,
+    batch_calls: Arc<AtomicU32>,
+}
+
+/// The set-based handler: the ledger rows first, then the plan's verdicts.
+struct SetBased<S> {
+    plan: Arc<Plan>,
+    ledger: String,
+    calls: Arc<AtomicU32>,
+    _store: std::marker::PhantomData<fn() -> S>,
+}
+
+impl<S> SetBased<S> {
+    fn rows(batch: &[Context<'_>]) -> Vec<(String, Option<i64>)> {
+        batch
+            .iter()
+            .map(|ctx| {
+                let amount = ctx.message.json().ok().and_then(|v| v["amount"].as_i64());
+                (ctx.key.to_owned(), amount)
+            })
+            .collect()
+    }
+}
+
+impl<S: SqlTestStore> Handler<S::Tx> for SetBased<S>
+where
+    S::Tx: Send,
+{
+    fn handle<'a>(
+        &'a self,
+        ctx: &'a Context<'a>,
+        tx: &'a mut S::Tx,
+    ) -> BoxFuture<'a, HandlerResult> {
+        Box::pin(async move {
+            let mut results = self.handle_batch(std::slice::from_ref(ctx), tx).await?;
+            Ok(results.pop().flatten())
+        })
+    }
+
+    fn handles_batches(&self) -> bool {
+        true
+    }
+
+    fn handle_batch<'a>(
+        &'a self,
+        batch: &'a [Context<'a>],
+        tx: &'a mut S::Tx,
+    ) -> BoxFuture<'a, idemq::engine::BatchResult> {
+        Box::pin(async move {
+            if batch.len() > 1 {
+                self.calls.fetch_add(1, Ordering::SeqCst);
+            }
+            S::write_many(tx, &self.ledger, Self::rows(batch)).await?;
+            for ctx in batch {
+                if self.plan.hangs(ctx) {
+                    std::future::pending::<()>().await;
+                }
+            }
+            batch.iter().map(|ctx| self.plan.verdict(ctx)).collect()
+        })
+    }
+}
+
+#[async_trait]
+impl<S: SqlTestStore> Backend for SetBasedBackend<S>
+where
+    S::Tx: Send,
+{
+    type S = S;
+
+    async fn fresh() -> Self {
+        Self {
+            sql: SqlBackend::fresh().await,
+            batch_calls: Arc::default(),
+        }
+    }
+
+    fn store(&self) -> S {
+        self.sql.store()
+    }
+
+    fn batch_calls(&self) -> u32 {
+        self.batch_calls.load(Ordering::SeqCst)
+    }
+
+    fn handler(&self, plan: Arc<Plan>) -> Box<dyn Handler<S::Tx>> {
+        Box::new(SetBased::<S> {
+            plan,
+            ledger: self.sql.ledger.clone(),
+            calls: Arc::clone(&self.batch_calls),
+            _store: std::marker::PhantomData,
+        })
+    }
+
+    async fn ledger(&self) -> Vec<(String, i64)> {
+        self.sql.ledger().await
+    }
+
+    async fn cleanup(self) {
+        self.sql.cleanup().await
     }
 }
 

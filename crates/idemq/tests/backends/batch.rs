@@ -14,43 +14,64 @@ use idemq::{Message, OutcomeKind, StoreErrorKind};
 use crate::backend::{unmigrated, Backend, Plan, SqlTestStore};
 use crate::scenarios::{consumer, failing, msg, queue_of, LosingAcks};
 
+macro_rules! batch_scenarios {
+    ($backend:ty) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn exactly_once_with_duplicates_inside_and_across_batches() {
+            crate::batch::exactly_once_with_duplicates_inside_and_across_batches::<$backend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_failing_message_rolls_back_alone() {
+            crate::batch::a_failing_message_rolls_back_alone::<$backend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn the_first_copy_in_order_wins_across_batches_at_concurrency_8() {
+            crate::batch::the_first_copy_in_order_wins_across_batches::<$backend>(8).await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn the_first_copy_in_order_wins_across_batches_at_concurrency_64() {
+            crate::batch::the_first_copy_in_order_wins_across_batches::<$backend>(64).await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_retry_in_place_inside_a_batch_keeps_only_the_last_calls_writes() {
+            crate::batch::a_retry_in_place_inside_a_batch::<$backend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_crash_before_the_commit_applies_the_batch_once() {
+            crate::batch::a_crash_before_the_commit_applies_the_batch_once::<$backend>().await
+        }
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn lost_acks_after_the_commit_are_duplicates() {
+            crate::batch::lost_acks_after_the_commit_are_duplicates::<$backend>().await
+        }
+    };
+}
+pub(crate) use batch_scenarios;
+
 macro_rules! batch_suite {
     ($backend:ty) => {
         mod batch {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn exactly_once_with_duplicates_inside_and_across_batches() {
-                crate::batch::exactly_once_with_duplicates_inside_and_across_batches::<$backend>()
-                    .await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_failing_message_rolls_back_alone() {
-                crate::batch::a_failing_message_rolls_back_alone::<$backend>().await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn the_first_copy_in_order_wins_across_batches_at_concurrency_8() {
-                crate::batch::the_first_copy_in_order_wins_across_batches::<$backend>(8).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn the_first_copy_in_order_wins_across_batches_at_concurrency_64() {
-                crate::batch::the_first_copy_in_order_wins_across_batches::<$backend>(64).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_retry_in_place_inside_a_batch_keeps_only_the_last_calls_writes() {
-                crate::batch::a_retry_in_place_inside_a_batch::<$backend>().await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_crash_before_the_commit_applies_the_batch_once() {
-                crate::batch::a_crash_before_the_commit_applies_the_batch_once::<$backend>().await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn lost_acks_after_the_commit_are_duplicates() {
-                crate::batch::lost_acks_after_the_commit_are_duplicates::<$backend>().await
-            }
+            crate::batch::batch_scenarios!($backend);
         }
         mod schema {
             #[tokio::test]
             async fn missing_tables_are_a_kind_of_error_with_its_cause() {
                 crate::batch::missing_tables_are_a_kind_of_error_with_its_cause::<$backend>().await
+            }
+        }
+    };
+    (set_based: $backend:ty) => {
+        /// The batch scenarios with a handler that writes a batch's rows
+        /// in one statement ([`idemq::Handler::handle_batch`]).
+        mod set_based {
+            crate::batch::batch_scenarios!($backend);
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_row_the_database_refuses_fails_the_batch_and_runs_alone() {
+                crate::batch::a_row_the_database_refuses_runs_alone::<$backend>().await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_batch_of_new_keys_is_one_handler_call() {
+                crate::batch::a_batch_of_new_keys_is_one_handler_call::<$backend>().await
             }
         }
     };
@@ -301,5 +322,66 @@ where
     assert_eq!(summary.count(OutcomeKind::Duplicate), 5, "the redeliveries");
     assert_eq!(backend.ledger().await.len(), 5);
     assert_eq!(queue.acked(), 5);
+    backend.cleanup().await;
+}
+
+/// A set-based handler's multi-row statement fails as a whole when the
+/// database refuses one row (NULL in a NOT NULL column): the batch is rolled
+/// back and runs again one message at a time, so the refused message is
+/// dead-lettered alone and the others are applied once.
+pub async fn a_row_the_database_refuses_runs_alone<B: Backend>()
+where
+    B::S: UnitStore,
+{
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let refused = Message::new(r#"{"k":"refused","amount":null}"#);
+    let queue = queue_of([msg("a", 1), msg("b", 2), refused, msg("c", 3), msg("a", 1)]);
+    let consumer = consumer(&backend, "ledger", &plan).build().unwrap();
+    let summary = consumer
+        .run_batched(queue.source(), options(10))
+        .await
+        .unwrap();
+    assert_eq!(summary.count(OutcomeKind::Processed), 3, "a, b, c");
+    assert_eq!(summary.count(OutcomeKind::Duplicate), 1, "the copy of a");
+    assert_eq!(summary.count(OutcomeKind::DeadLettered), 1, "refused");
+    assert!(backend.batch_calls() >= 1, "the batch was tried at once");
+    let ledger = backend.ledger().await;
+    assert_eq!(
+        ledger,
+        vec![("a".into(), 1), ("b".into(), 2), ("c".into(), 3)]
+    );
+    let refused = backend.store().inspect("ledger", "refused").await.unwrap();
+    assert_eq!(refused.dead_letters[0].reason, "permanent_failure");
+    assert_eq!(queue.acked(), 5);
+    backend.cleanup().await;
+}
+
+/// Without failures, the new keys of a batch reach the handler in one
+/// call, and each gets its own stored result.
+pub async fn a_batch_of_new_keys_is_one_handler_call<B: Backend>()
+where
+    B::S: UnitStore,
+{
+    let backend = B::fresh().await;
+    let plan = Arc::new(Plan::default());
+    let queue = queue_of((0..40).map(|i| msg(&format!("k{i}"), i)));
+    let consumer = consumer(&backend, "ledger", &plan).build().unwrap();
+    // A batch of 40 forms at once from the 40 queued messages.
+    let summary = consumer
+        .run_batched(
+            queue.source(),
+            BatchOptions::new(40, Duration::from_secs(5)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(summary.count(OutcomeKind::Processed), 40);
+    assert_eq!(backend.batch_calls(), 1, "one call for 40 new keys");
+    assert_eq!(backend.ledger().await.len(), 40);
+    let record = backend.store().inspect("ledger", "k7").await.unwrap();
+    assert_eq!(
+        record.inbox.and_then(|r| r.result),
+        Some(serde_json::json!({ "amount": 7 }))
+    );
     backend.cleanup().await;
 }

@@ -25,6 +25,7 @@ mod mysql {
     crate::scenarios::suite!(crate::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>);
     crate::batch::batch_suite!(crate::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>);
     sql_only!(idemq::store::sql::mysql::MySqlStore);
+    crate::batch::batch_suite!(set_based: crate::backend::SetBasedBackend<idemq::store::sql::mysql::MySqlStore>);
 }
 
 #[cfg(feature = "postgres")]
@@ -36,6 +37,7 @@ mod postgres {
         crate::backend::SqlBackend<idemq::store::sql::postgres::PostgresStore>
     );
     sql_only!(idemq::store::sql::postgres::PostgresStore);
+    crate::batch::batch_suite!(set_based: crate::backend::SetBasedBackend<idemq::store::sql::postgres::PostgresStore>);
 }
 
 #[cfg(feature = "sqlite")]
@@ -43,6 +45,7 @@ mod sqlite {
     crate::scenarios::suite!(crate::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);
     crate::batch::batch_suite!(crate::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);
     sql_only!(idemq::store::sql::sqlite::SqliteStore);
+    crate::batch::batch_suite!(set_based: crate::backend::SetBasedBackend<idemq::store::sql::sqlite::SqliteStore>);
 }
 
 #[cfg(feature = "redis")]

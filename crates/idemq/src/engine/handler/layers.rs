@@ -24,7 +24,7 @@ use tracing::Instrument;
 
 pub use tower_layer::{layer_fn, Identity, Layer, Stack};
 
-use super::{Context, Handler, HandlerResult};
+use super::{BatchResult, Context, Handler, HandlerResult};
 use crate::error::{HandlerError, StoreError};
 
 /// A handler behind a box: what [`ConsumerBuilder::layer`](crate::ConsumerBuilder::layer)
@@ -76,6 +76,28 @@ impl<Tx: Send + 'static, H: Handler<Tx>> Handler<Tx> for Timeout<H> {
             }
         })
     }
+
+    fn handles_batches(&self) -> bool {
+        self.inner.handles_batches()
+    }
+
+    /// The limit bounds the batch call as a whole; a batch that runs past
+    /// it is handled again one message at a time, each with the limit.
+    fn handle_batch<'a>(
+        &'a self,
+        batch: &'a [Context<'a>],
+        tx: &'a mut Tx,
+    ) -> BoxFuture<'a, BatchResult> {
+        Box::pin(async move {
+            match tokio::time::timeout(self.limit, self.inner.handle_batch(batch, tx)).await {
+                Ok(result) => result,
+                Err(_) => Err(HandlerError::retryable(format!(
+                    "batch handler timed out after {:?}",
+                    self.limit
+                ))),
+            }
+        })
+    }
 }
 
 /// Turns a panic in the handler into a retryable error (`handler panicked:
@@ -103,16 +125,36 @@ impl<Tx: Send + 'static, H: Handler<Tx>> Handler<Tx> for CatchPanic<H> {
             AssertUnwindSafe(self.inner.handle(ctx, tx))
                 .catch_unwind()
                 .await
-                .unwrap_or_else(|panic| {
-                    let what = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| (*s).to_owned())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "unknown panic".to_owned());
-                    Err(HandlerError::retryable(format!("handler panicked: {what}")))
-                })
+                .unwrap_or_else(|panic| Err(panicked(panic)))
         })
     }
+
+    fn handles_batches(&self) -> bool {
+        self.inner.handles_batches()
+    }
+
+    fn handle_batch<'a>(
+        &'a self,
+        batch: &'a [Context<'a>],
+        tx: &'a mut Tx,
+    ) -> BoxFuture<'a, BatchResult> {
+        Box::pin(async move {
+            AssertUnwindSafe(self.inner.handle_batch(batch, tx))
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|panic| Err(panicked(panic)))
+        })
+    }
+}
+
+/// The retryable error a caught panic becomes.
+fn panicked(panic: Box<dyn std::any::Any + Send>) -> HandlerError {
+    let what = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_owned());
+    HandlerError::retryable(format!("handler panicked: {what}"))
 }
 
 /// Records every call's latency in the histogram `idemq_handler_seconds`
@@ -143,16 +185,44 @@ impl<Tx: Send + 'static, H: Handler<Tx>> Handler<Tx> for Metrics<H> {
             metrics::histogram!("idemq_handler_seconds", "consumer" => ctx.consumer.to_owned())
                 .record(started.elapsed().as_secs_f64());
             if let Err(e) = &result {
-                metrics::counter!(
-                    "idemq_handler_errors_total",
-                    "consumer" => ctx.consumer.to_owned(),
-                    "kind" => kind_label(e)
-                )
-                .increment(1);
+                count_error(ctx.consumer, e);
             }
             result
         })
     }
+
+    fn handles_batches(&self) -> bool {
+        self.inner.handles_batches()
+    }
+
+    /// A batch call is one sample of `idemq_handler_batch_seconds` (the
+    /// per-message histogram keeps per-message calls only).
+    fn handle_batch<'a>(
+        &'a self,
+        batch: &'a [Context<'a>],
+        tx: &'a mut Tx,
+    ) -> BoxFuture<'a, BatchResult> {
+        Box::pin(async move {
+            let started = Instant::now();
+            let result = self.inner.handle_batch(batch, tx).await;
+            let consumer = batch.first().map_or("", |ctx| ctx.consumer);
+            metrics::histogram!("idemq_handler_batch_seconds", "consumer" => consumer.to_owned())
+                .record(started.elapsed().as_secs_f64());
+            if let Err(e) = &result {
+                count_error(consumer, e);
+            }
+            result
+        })
+    }
+}
+
+fn count_error(consumer: &str, error: &HandlerError) {
+    metrics::counter!(
+        "idemq_handler_errors_total",
+        "consumer" => consumer.to_owned(),
+        "kind" => kind_label(error)
+    )
+    .increment(1);
 }
 
 fn kind_label(error: &HandlerError) -> &'static str {
@@ -198,6 +268,33 @@ impl<Tx: Send + 'static, H: Handler<Tx>> Handler<Tx> for Trace<H> {
                 let result = self.inner.handle(ctx, tx).await;
                 if let Err(e) = &result {
                     tracing::debug!(error = %e, "handler failed");
+                }
+                result
+            }
+            .instrument(span),
+        )
+    }
+
+    fn handles_batches(&self) -> bool {
+        self.inner.handles_batches()
+    }
+
+    /// A span `handler_batch` with the consumer and the batch's size.
+    fn handle_batch<'a>(
+        &'a self,
+        batch: &'a [Context<'a>],
+        tx: &'a mut Tx,
+    ) -> BoxFuture<'a, BatchResult> {
+        let span = tracing::info_span!(
+            "handler_batch",
+            consumer = batch.first().map_or("", |ctx| ctx.consumer),
+            size = batch.len()
+        );
+        Box::pin(
+            async move {
+                let result = self.inner.handle_batch(batch, tx).await;
+                if let Err(e) = &result {
+                    tracing::debug!(error = %e, "batch handler failed; the batch runs again per message");
                 }
                 result
             }
@@ -278,29 +375,98 @@ pub struct Retry<H> {
 
 impl<Tx: Rewind + 'static, H: Handler<Tx>> Handler<Tx> for Retry<H> {
     fn handle<'a>(&'a self, ctx: &'a Context<'a>, tx: &'a mut Tx) -> BoxFuture<'a, HandlerResult> {
-        Box::pin(async move {
-            let rewind_failed =
-                |e: StoreError| HandlerError::retryable(format!("retry in place: {e}"));
-            tx.mark().await.map_err(rewind_failed)?;
-            let mut delay = self.backoff;
-            let mut call = 1;
-            loop {
-                let result = self.inner.handle(ctx, tx).await;
-                match result {
-                    Err(e) if e.is_retryable() && call < self.attempts => {
-                        tracing::debug!(error = %e, call, "retrying the handler in place");
-                        tx.rewind().await.map_err(rewind_failed)?;
-                        tokio::time::sleep(e.retry_after().unwrap_or(delay)).await;
-                        delay = delay.saturating_mul(2);
-                        call += 1;
-                    }
-                    result => {
-                        tx.release().await.map_err(rewind_failed)?;
-                        return result;
-                    }
+        Box::pin(self.in_place(
+            One {
+                handler: &self.inner,
+                ctx,
+            },
+            tx,
+        ))
+    }
+
+    fn handles_batches(&self) -> bool {
+        self.inner.handles_batches()
+    }
+
+    /// Retries the batch call in place as a whole.
+    fn handle_batch<'a>(
+        &'a self,
+        batch: &'a [Context<'a>],
+        tx: &'a mut Tx,
+    ) -> BoxFuture<'a, BatchResult> {
+        Box::pin(self.in_place(
+            Many {
+                handler: &self.inner,
+                batch,
+            },
+            tx,
+        ))
+    }
+}
+
+impl<H> Retry<H> {
+    /// Makes `call` up to `attempts` times, rewinding `tx` between calls.
+    async fn in_place<Tx: Rewind, C: InPlace<Tx>>(
+        &self,
+        call: C,
+        tx: &mut Tx,
+    ) -> Result<C::Output, HandlerError> {
+        let rewind_failed = |e: StoreError| HandlerError::retryable(format!("retry in place: {e}"));
+        tx.mark().await.map_err(rewind_failed)?;
+        let mut delay = self.backoff;
+        let mut attempt = 1;
+        loop {
+            let result = call.call(tx).await;
+            match result {
+                Err(e) if e.is_retryable() && attempt < self.attempts => {
+                    tracing::debug!(error = %e, call = attempt, "retrying the handler in place");
+                    tx.rewind().await.map_err(rewind_failed)?;
+                    tokio::time::sleep(e.retry_after().unwrap_or(delay)).await;
+                    delay = delay.saturating_mul(2);
+                    attempt += 1;
+                }
+                result => {
+                    tx.release().await.map_err(rewind_failed)?;
+                    return result;
                 }
             }
-        })
+        }
+    }
+}
+
+/// One call [`Retry`] can repeat: a message's or a batch's.
+trait InPlace<Tx>: Send + Sync {
+    /// What a successful call returns.
+    type Output: Send;
+    /// Makes the call once.
+    fn call<'t>(&'t self, tx: &'t mut Tx) -> BoxFuture<'t, Result<Self::Output, HandlerError>>;
+}
+
+/// A call of [`Handler::handle`].
+struct One<'a, H> {
+    handler: &'a H,
+    ctx: &'a Context<'a>,
+}
+
+impl<Tx: 'static, H: Handler<Tx>> InPlace<Tx> for One<'_, H> {
+    type Output = Option<serde_json::Value>;
+
+    fn call<'t>(&'t self, tx: &'t mut Tx) -> BoxFuture<'t, HandlerResult> {
+        self.handler.handle(self.ctx, tx)
+    }
+}
+
+/// A call of [`Handler::handle_batch`].
+struct Many<'a, H> {
+    handler: &'a H,
+    batch: &'a [Context<'a>],
+}
+
+impl<Tx: Send + 'static, H: Handler<Tx>> InPlace<Tx> for Many<'_, H> {
+    type Output = Vec<Option<serde_json::Value>>;
+
+    fn call<'t>(&'t self, tx: &'t mut Tx) -> BoxFuture<'t, BatchResult> {
+        self.handler.handle_batch(self.batch, tx)
     }
 }
 

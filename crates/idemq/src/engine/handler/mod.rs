@@ -135,14 +135,139 @@ impl Context<'_> {
     }
 }
 
+/// What [`Handler::handle_batch`] returns: one stored result per message,
+/// in the order given, or an error that sends the batch back to be handled
+/// one message at a time.
+pub type BatchResult = Result<Vec<Option<serde_json::Value>>, HandlerError>;
+
 /// Applies one message's effects. `Tx` is the store's transaction (SQL
 /// stores) or lease (lease stores): write through it so that the effects
 /// commit together with the claim.
 ///
 /// Closures implement it through [`ConsumerBuilder::handler_fn`](crate::ConsumerBuilder::handler_fn).
+///
+/// # Set-based batches
+///
+/// In batch mode ([`Consumer::run_batched`](crate::Consumer::run_batched))
+/// on a SQL store every new message of a batch is handled in the batch's
+/// one transaction. A handler that can write many messages' effects in one
+/// statement (a multi-row `INSERT`, `UNNEST` arrays, `COPY`) says so with
+/// [`handles_batches`](Self::handles_batches) and gets the batch's new
+/// messages in one [`handle_batch`](Self::handle_batch) call, so that the
+/// effects of a batch cost one round trip instead of one per message.
+///
+/// If `handle_batch` fails, the engine rolls the whole batch back (claims
+/// included) and runs it again one message at a time through
+/// [`handle`](Self::handle), each in its own savepoint: the failing message
+/// is retried or dead-lettered alone, exactly as in per-message mode, and
+/// every other message is applied once. So `handle_batch` may fail for any
+/// reason it cannot split per message (one bad row fails a multi-row
+/// statement); it must write the same effects `handle` would. Lease stores
+/// (memory, Redis, MongoDB), whose members each hold their own lease, and
+/// batches with a single new message always go through `handle`.
+///
+/// ```
+/// # #[cfg(feature = "sqlite")]
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+/// use futures_util::future::BoxFuture;
+/// use idemq::engine::{BatchOptions, BatchResult};
+/// use idemq::source::queue::MemoryQueue;
+/// use idemq::sqlx::{QueryBuilder, Sqlite, Transaction};
+/// use idemq::store::{sql::sqlite::SqliteStore, StoreAdmin};
+/// use idemq::{Consumer, Context, Handler, HandlerResult, KeySpec, Message};
+///
+/// /// Appends each payment to the ledger: one row per message, one
+/// /// statement per batch.
+/// struct Ledger;
+///
+/// impl Handler<Transaction<'static, Sqlite>> for Ledger {
+///     fn handle<'a>(
+///         &'a self,
+///         ctx: &'a Context<'a>,
+///         tx: &'a mut Transaction<'static, Sqlite>,
+///     ) -> BoxFuture<'a, HandlerResult> {
+///         Box::pin(async move {
+///             self.handle_batch(std::slice::from_ref(ctx), tx).await?;
+///             Ok(None)
+///         })
+///     }
+///
+///     fn handles_batches(&self) -> bool {
+///         true
+///     }
+///
+///     fn handle_batch<'a>(
+///         &'a self,
+///         batch: &'a [Context<'a>],
+///         tx: &'a mut Transaction<'static, Sqlite>,
+///     ) -> BoxFuture<'a, BatchResult> {
+///         Box::pin(async move {
+///             let mut insert = QueryBuilder::new("INSERT INTO ledger (id, amount) ");
+///             insert.push_values(batch, |mut row, ctx| {
+///                 let amount = ctx.message.json().ok().and_then(|p| p["amount"].as_i64());
+///                 row.push_bind(ctx.key.to_owned()).push_bind(amount);
+///             });
+///             insert.build().execute(&mut **tx).await?;
+///             Ok(vec![None; batch.len()])
+///         })
+///     }
+/// }
+///
+/// let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+/// store.migrate().await.unwrap();
+/// idemq::sqlx::query("CREATE TABLE ledger (id TEXT NOT NULL, amount INTEGER NOT NULL)")
+///     .execute(store.pool())
+///     .await
+///     .unwrap();
+/// let consumer = Consumer::builder("payments", store.clone())
+///     .key(KeySpec::json("/id"))
+///     .handler(Ledger)
+///     .build()
+///     .unwrap();
+/// let queue = MemoryQueue::new("q");
+/// for (id, amount) in [(1, 10), (2, 20), (1, 10), (3, 30)] {
+///     queue.push(Message::new(format!(r#"{{"id":{id},"amount":{amount}}}"#)));
+/// }
+/// queue.close();
+/// consumer.run_batched(queue.source(), BatchOptions::default()).await.unwrap();
+/// let (rows, total): (i64, i64) = idemq::sqlx::query_as("SELECT count(*), sum(amount) FROM ledger")
+///     .fetch_one(store.pool())
+///     .await
+///     .unwrap();
+/// assert_eq!((rows, total), (3, 60));
+/// # });
+/// ```
 pub trait Handler<Tx>: Send + Sync + 'static {
     /// Handles one message.
     fn handle<'a>(&'a self, ctx: &'a Context<'a>, tx: &'a mut Tx) -> BoxFuture<'a, HandlerResult>;
+
+    /// Whether [`handle_batch`](Self::handle_batch) handles a batch in
+    /// fewer round trips than one [`handle`](Self::handle) per message, so
+    /// that the engine should call it. By default, no.
+    fn handles_batches(&self) -> bool {
+        false
+    }
+
+    /// Handles the new messages of a batch at once, in the batch's
+    /// transaction; returns one result per message, in order (see
+    /// [set-based batches](Self#set-based-batches)). By default, one
+    /// [`handle`](Self::handle) after the other, failing at the first error.
+    fn handle_batch<'a>(
+        &'a self,
+        batch: &'a [Context<'a>],
+        tx: &'a mut Tx,
+    ) -> BoxFuture<'a, BatchResult>
+    where
+        Tx: Send,
+    {
+        Box::pin(async move {
+            let mut results = Vec::with_capacity(batch.len());
+            for ctx in batch {
+                results.push(self.handle(ctx, tx).await?);
+            }
+            Ok(results)
+        })
+    }
 }
 
 impl<Tx, H> Handler<Tx> for Box<H>
@@ -151,5 +276,20 @@ where
 {
     fn handle<'a>(&'a self, ctx: &'a Context<'a>, tx: &'a mut Tx) -> BoxFuture<'a, HandlerResult> {
         (**self).handle(ctx, tx)
+    }
+
+    fn handles_batches(&self) -> bool {
+        (**self).handles_batches()
+    }
+
+    fn handle_batch<'a>(
+        &'a self,
+        batch: &'a [Context<'a>],
+        tx: &'a mut Tx,
+    ) -> BoxFuture<'a, BatchResult>
+    where
+        Tx: Send,
+    {
+        (**self).handle_batch(batch, tx)
     }
 }

@@ -57,6 +57,12 @@ pub(crate) trait Unit<S: Store>: Send + Sized {
     /// The transaction or lease member `n`'s handler writes through.
     fn tx(&mut self, n: usize) -> Option<&mut S::Tx>;
 
+    /// The one transaction every member writes through, if the unit has
+    /// one (see [`WorkUnit::shared`](crate::store::WorkUnit::shared)).
+    fn shared(&mut self) -> Option<&mut S::Tx> {
+        None
+    }
+
     /// Marks the point member `n`'s work can be undone to.
     async fn isolate(&mut self, _n: usize) -> Result<(), StoreError> {
         Ok(())

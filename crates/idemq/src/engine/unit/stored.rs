@@ -77,6 +77,13 @@ impl<S: UnitStore> Unit<S> for Stored<S> {
         self.unit.tx(n)
     }
 
+    fn shared(&mut self) -> Option<&mut S::Tx> {
+        match self.records {
+            Some(_) => None,
+            None => self.unit.shared(),
+        }
+    }
+
     async fn isolate(&mut self, n: usize) -> Result<(), StoreError> {
         self.unit.isolate(n).await
     }

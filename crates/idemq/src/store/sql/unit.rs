@@ -190,6 +190,10 @@ impl<DB: SqlDatabase> WorkUnit for SqlUnit<DB> {
         self.tx.as_mut()
     }
 
+    fn shared(&mut self) -> Option<&mut Tx<DB>> {
+        self.tx.as_mut()
+    }
+
     async fn isolate(&mut self, _member: usize) -> Result<(), StoreError> {
         if !self.isolate || self.records {
             return Ok(());
