@@ -10,7 +10,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use anyhow::Result;
-use idemq::template::{Placeholder, SqlTemplate, SqlValue, ValueSpec};
+use idemq::engine::BatchResult;
+use idemq::template::{Placeholder, RowsTemplate, SqlTemplate, SqlValue, ValueSpec};
 use idemq::{Context, Handler, HandlerError, HandlerResult, InputError};
 use serde_json::json;
 use sqlx::database::HasStatementCache;
@@ -59,7 +60,18 @@ pub struct SqlStatement {
     cached: bool,
     /// One per placeholder, in binding order.
     values: Vec<ValueSpec>,
+    /// The multi-row form, if the statement merges (batch mode writes a
+    /// batch's rows in one statement).
+    rows: Option<RowsTemplate>,
+    placeholder: Placeholder,
 }
+
+/// At most this many values are bound to one merged statement (SQLite's
+/// default limit is 32,766; PostgreSQL's and MySQL's 65,535).
+const MAX_MERGED_BINDS: usize = 32_000;
+
+/// At most this many rows go into one merged statement.
+const MAX_MERGED_ROWS: usize = 1_000;
 
 impl SqlStatement {
     /// Renders `template` for a database; `params` override where values come from.
@@ -85,7 +97,19 @@ impl SqlStatement {
             sql,
             cached,
             values,
+            rows: template.rows(),
+            placeholder,
         }
+    }
+
+    /// Whether batch mode writes a batch's rows with one statement.
+    pub fn merges(&self) -> bool {
+        self.rows.is_some()
+    }
+
+    /// How many rows one merged statement takes.
+    fn rows_per_statement(&self) -> usize {
+        (MAX_MERGED_BINDS / self.values.len().max(1)).clamp(1, MAX_MERGED_ROWS)
     }
 
     /// The SQL with the database's placeholders.
@@ -230,21 +254,83 @@ where
                 .statement
                 .resolve(ctx)
                 .map_err(HandlerError::permanent)?;
-            let mut query =
-                sqlx::query::<DB>(self.statement.sql()).persistent(self.statement.cached);
-            for value in values {
-                query = match value {
-                    SqlValue::Null => DB::bind_null(query),
-                    SqlValue::Bool(b) => query.bind(b),
-                    SqlValue::Int(i) => query.bind(i),
-                    SqlValue::Float(f) => query.bind(f),
-                    SqlValue::Text(s) => query.bind(s),
-                };
-            }
-            let done = query.execute(&mut **tx).await?;
+            let query = sqlx::query::<DB>(self.statement.sql()).persistent(self.statement.cached);
+            let done = bind_all(query, values).execute(&mut **tx).await?;
             Ok(Some(json!({ "rows_affected": done.rows() })))
         })
     }
+
+    fn handles_batches(&self) -> bool {
+        self.statement.merges()
+    }
+
+    /// The batch's rows in merged statements (see [`RowsTemplate`]). Each
+    /// message's stored result is its own `rows_affected`, as in per-message
+    /// mode: known when the merged statements changed no row or one per
+    /// message. Otherwise (some rows hit a conflict) the count cannot be
+    /// split, and the batch runs again one message at a time.
+    fn handle_batch<'a>(
+        &'a self,
+        batch: &'a [Context<'a>],
+        tx: &'a mut Transaction<'static, DB>,
+    ) -> Pin<Box<dyn Future<Output = BatchResult> + Send + 'a>> {
+        Box::pin(async move {
+            let statement = &*self.statement;
+            let Some(rows) = &statement.rows else {
+                return Err(HandlerError::permanent("the statement does not merge"));
+            };
+            let values = batch
+                .iter()
+                .map(|ctx| statement.resolve(ctx))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(HandlerError::permanent)?;
+            let mut changed = 0;
+            for chunk in values.chunks(statement.rows_per_statement()) {
+                let sql = rows.render(statement.placeholder, chunk.len());
+                let query = sqlx::query::<DB>(&sql).persistent(statement.cached);
+                let done = bind_all(query, chunk.iter().flatten().cloned())
+                    .execute(&mut **tx)
+                    .await?;
+                changed += done.rows();
+            }
+            let each = match changed {
+                0 => 0,
+                n if n == batch.len() as u64 => 1,
+                n => {
+                    return Err(HandlerError::retryable(format!(
+                        "the merged statement changed {n} rows for {} messages, which does not \
+                         tell each message's count",
+                        batch.len()
+                    )))
+                }
+            };
+            Ok(vec![Some(json!({ "rows_affected": each })); batch.len()])
+        })
+    }
+}
+
+/// Binds `values` to `query` in order.
+fn bind_all<'q, DB>(
+    mut query: Query<'q, DB, DB::Arguments<'q>>,
+    values: impl IntoIterator<Item = SqlValue>,
+) -> Query<'q, DB, DB::Arguments<'q>>
+where
+    DB: Database + BindNull,
+    for<'v> String: Encode<'v, DB> + Type<DB>,
+    for<'v> bool: Encode<'v, DB> + Type<DB>,
+    for<'v> i64: Encode<'v, DB> + Type<DB>,
+    for<'v> f64: Encode<'v, DB> + Type<DB>,
+{
+    for value in values {
+        query = match value {
+            SqlValue::Null => DB::bind_null(query),
+            SqlValue::Bool(b) => query.bind(b),
+            SqlValue::Int(i) => query.bind(i),
+            SqlValue::Float(f) => query.bind(f),
+            SqlValue::Text(s) => query.bind(s),
+        };
+    }
+    query
 }
 
 /// Prints each processed message to stdout as `{"key":…,"payload":…}`.

@@ -21,11 +21,27 @@ use crate::engine::Context;
 use crate::error::{ConfigError, InputError};
 use crate::key::validate_pointer;
 
+mod rows;
+
+pub use rows::RowsTemplate;
+
 /// A piece of a parsed template.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Segment {
+    /// SQL code.
     Text(String),
+    /// A string literal, quoted identifier or comment: copied as it is,
+    /// never looked into.
+    Quoted(String),
+    /// A named parameter.
     Param(String),
+}
+
+/// Ends the text collected so far as a segment of `kind`.
+fn flush(segments: &mut Vec<Segment>, text: &mut String, kind: fn(String) -> Segment) {
+    if !text.is_empty() {
+        segments.push(kind(std::mem::take(text)));
+    }
 }
 
 /// A parsed SQL template.
@@ -64,7 +80,7 @@ impl SqlTemplate {
         let mut order: Vec<String> = Vec::new();
         for s in &self.segments {
             match s {
-                Segment::Text(t) => sql.push_str(t),
+                Segment::Text(t) | Segment::Quoted(t) => sql.push_str(t),
                 Segment::Param(name) => match placeholder {
                     Placeholder::Positional => {
                         sql.push('?');
@@ -137,15 +153,19 @@ impl FromStr for SqlTemplate {
             let next = chars.get(i + 1).copied();
             match c {
                 '\'' | '"' | '`' => {
+                    flush(&mut segments, &mut text, Segment::Text);
                     if !copy_quoted(&mut i, &mut text, c) {
                         return Err(unterminated("quoted text"));
                     }
+                    flush(&mut segments, &mut text, Segment::Quoted);
                 }
                 '-' if next == Some('-') => {
+                    flush(&mut segments, &mut text, Segment::Text);
                     while i < chars.len() && chars[i] != '\n' {
                         text.push(chars[i]);
                         i += 1;
                     }
+                    flush(&mut segments, &mut text, Segment::Quoted);
                 }
                 '/' if next == Some('*') => {
                     let start = i;
@@ -157,7 +177,9 @@ impl FromStr for SqlTemplate {
                         return Err(unterminated("comment"));
                     }
                     i += 2;
+                    flush(&mut segments, &mut text, Segment::Text);
                     text.extend(&chars[start..i]);
+                    flush(&mut segments, &mut text, Segment::Quoted);
                 }
                 '$' if next.is_some_and(|n| n == '$' || is_ident_start(n)) => {
                     // A dollar-quote tag $tag$ … $tag$ (PostgreSQL); `$1` is not a tag.
@@ -173,7 +195,9 @@ impl FromStr for SqlTemplate {
                         };
                         let body_len = rest[..end].chars().count();
                         let stop = j + 1 + body_len + tag.chars().count();
+                        flush(&mut segments, &mut text, Segment::Text);
                         text.extend(&chars[i..stop]);
+                        flush(&mut segments, &mut text, Segment::Quoted);
                         i = stop;
                     } else {
                         text.push(c);
@@ -189,9 +213,7 @@ impl FromStr for SqlTemplate {
                     while j < chars.len() && is_ident(chars[j]) {
                         j += 1;
                     }
-                    if !text.is_empty() {
-                        segments.push(Segment::Text(std::mem::take(&mut text)));
-                    }
+                    flush(&mut segments, &mut text, Segment::Text);
                     segments.push(Segment::Param(chars[i + 1..j].iter().collect()));
                     i = j;
                 }
@@ -201,9 +223,7 @@ impl FromStr for SqlTemplate {
                 }
             }
         }
-        if !text.is_empty() {
-            segments.push(Segment::Text(text));
-        }
+        flush(&mut segments, &mut text, Segment::Text);
         Ok(Self { segments })
     }
 }
