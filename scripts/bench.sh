@@ -26,5 +26,5 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import aws_lambda_pow
       && "$venv/bin/pip" install --quiet -r crates/idemq-bench/peers/requirements.txt; } >&2 \
     || echo "bench: Powertools could not be installed into $venv; its rows are skipped" >&2
 fi
-cargo build --release -p idemq-bench >&2
+cargo build --release -p idemq-bench -p idemq-cli >&2
 exec target/release/idemq-bench "$@"

@@ -6,6 +6,9 @@
 //! Sections:
 //! - SQL (PostgreSQL, MariaDB, SQLite): the bare effect (the ledger INSERT in
 //!   its own transaction, no inbox) beside idemq per-message;
+//! - set-based batches (PostgreSQL): the raw multi-row limit beside the
+//!   library's batch mode (per-message and set-based handlers) and the CLI
+//!   per message and with `--batch 100`, whole process;
 //! - claim cost with 0 / small / large key counts already stored (PostgreSQL),
 //!   and prune rows/s;
 //! - Redis: the lease store beside raw `SET NX PX`;
@@ -21,6 +24,7 @@
 //!
 //! Run `scripts/bench.sh` (release build); `--help` lists the knobs.
 
+mod batch;
 mod claim;
 mod e2e;
 mod lease;
@@ -190,11 +194,19 @@ pub struct Config {
     #[arg(long, env = "IDEMQ_BENCH_PYTHON")]
     pub peer_python: Option<std::path::PathBuf>,
 
-    /// Sections to run, comma-separated: sql, claim, redis, cluster, memory, e2e, relay, peers.
+    /// Messages per measurement of the set-based batch rows (`batch`).
+    #[arg(long, default_value_t = 20_000)]
+    pub batch_messages: u64,
+    /// The `idemq` binary the CLI rows run (default: the one next to this
+    /// binary, which scripts/bench.sh builds in release).
+    #[arg(long, env = "IDEMQ_BENCH_CLI")]
+    pub cli: Option<std::path::PathBuf>,
+
+    /// Sections to run, comma-separated: sql, batch, claim, redis, cluster, memory, e2e, relay, peers.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "sql,claim,redis,memory,e2e,relay,peers"
+        default_value = "sql,batch,claim,redis,memory,e2e,relay,peers"
     )]
     pub only: Vec<String>,
 }
@@ -389,6 +401,11 @@ async fn main() -> anyhow::Result<()> {
         let (r, _, v) = sql::sqlite_rows(&cfg).await.context("SQLite rows")?;
         rows.extend(r);
         versions.push(v);
+    }
+    if cfg.runs("batch") {
+        let (r, n) = batch::rows(&cfg).await.context("set-based batch rows")?;
+        rows.extend(r);
+        notes.extend(n);
     }
     if cfg.runs("claim") {
         rows.extend(claim::rows(&cfg).await.context("claim-cost rows")?);

@@ -188,10 +188,12 @@ pub(crate) fn redact(url: &str) -> String {
 pub struct SqlDialect {
     /// How the database spells bind parameters.
     pub placeholder: Placeholder,
-    /// Whether `--apply-sql` statements may be cached per connection. Not on
+    /// Whether one cached statement per text serves every message. Not on
     /// PostgreSQL: sqlx caches a statement by its text with the parameter
     /// types of its first use, so a later message binding another type (an
-    /// integer where the first had text or null) would fail.
+    /// integer where the first had text or null) would fail; there the
+    /// statement's text carries the types of its values (a leading comment),
+    /// and each combination of types is cached on its own.
     pub cache_statements: bool,
 }
 

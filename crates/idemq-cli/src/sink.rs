@@ -3,6 +3,7 @@
 //! `--apply-http` ([`http`]) and `--apply-exec` ([`exec`]) call out through
 //! the effect journal.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::io::Write;
 use std::marker::PhantomData;
@@ -56,7 +57,8 @@ pub fn check_params(template: &SqlTemplate, params: &[(String, ValueSpec)]) -> R
 #[derive(Debug)]
 pub struct SqlStatement {
     sql: String,
-    /// Whether the driver may cache the prepared statement (see [`Backend::CACHE_STATEMENTS`]).
+    /// Whether one cached statement serves every type of value; if not,
+    /// the types go into the statement's text (see [`SqlDialect::cache_statements`](crate::backend::SqlDialect)).
     cached: bool,
     /// One per placeholder, in binding order.
     values: Vec<ValueSpec>,
@@ -100,6 +102,28 @@ impl SqlStatement {
             rows: template.rows(),
             placeholder,
         }
+    }
+
+    /// The text to prepare for `sql` bound to `values`: as it is where one
+    /// cached statement takes any types, else with the values' types in a
+    /// leading comment, so that each combination is its own cached
+    /// statement (PostgreSQL fixes a statement's parameter types when it
+    /// prepares it).
+    fn typed<'s>(&self, sql: &'s str, values: &[SqlValue]) -> Cow<'s, str> {
+        if self.cached {
+            return Cow::Borrowed(sql);
+        }
+        let types: String = values
+            .iter()
+            .map(|v| match v {
+                SqlValue::Null => 'n',
+                SqlValue::Bool(_) => 'b',
+                SqlValue::Int(_) => 'i',
+                SqlValue::Float(_) => 'f',
+                SqlValue::Text(_) => 't',
+            })
+            .collect();
+        Cow::Owned(format!("/* idemq {types} */ {sql}"))
     }
 
     /// Whether batch mode writes a batch's rows with one statement.
@@ -254,8 +278,10 @@ where
                 .statement
                 .resolve(ctx)
                 .map_err(HandlerError::permanent)?;
-            let query = sqlx::query::<DB>(self.statement.sql()).persistent(self.statement.cached);
-            let done = bind_all(query, values).execute(&mut **tx).await?;
+            let sql = self.statement.typed(self.statement.sql(), &values);
+            let done = bind_all(sqlx::query::<DB>(&sql), values)
+                .execute(&mut **tx)
+                .await?;
             Ok(Some(json!({ "rows_affected": done.rows() })))
         })
     }
@@ -286,9 +312,10 @@ where
                 .map_err(HandlerError::permanent)?;
             let mut changed = 0;
             for chunk in values.chunks(statement.rows_per_statement()) {
-                let sql = rows.render(statement.placeholder, chunk.len());
-                let query = sqlx::query::<DB>(&sql).persistent(statement.cached);
-                let done = bind_all(query, chunk.iter().flatten().cloned())
+                let merged = rows.render(statement.placeholder, chunk.len());
+                let chunk: Vec<SqlValue> = chunk.iter().flatten().cloned().collect();
+                let sql = statement.typed(&merged, &chunk);
+                let done = bind_all(sqlx::query::<DB>(&sql), chunk)
                     .execute(&mut **tx)
                     .await?;
                 changed += done.rows();

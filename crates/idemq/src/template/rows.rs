@@ -65,7 +65,7 @@ impl SqlTemplate {
             Some(Piece::Code(c)) => Some(*c),
             _ => None,
         };
-        if pieces.iter().any(|p| *p == Piece::Code(';')) {
+        if pieces.contains(&Piece::Code(';')) {
             return None;
         }
         let first = words(&pieces).next()?;

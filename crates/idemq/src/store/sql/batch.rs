@@ -34,6 +34,9 @@ pub(super) enum OffsetClaim<Tx> {
 /// The open transaction a unit works in.
 pub(super) type Tx<DB> = sqlx::Transaction<'static, DB>;
 
+/// At most this many results are stored by one statement (3 binds each).
+const RESULTS_PER_STATEMENT: usize = 1_000;
+
 const SAVEPOINT: &str = "SAVEPOINT idemq_message";
 const RELEASE_SAVEPOINT: &str = "RELEASE SAVEPOINT idemq_message";
 const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idemq_message";
@@ -168,10 +171,34 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         consumer: &str,
         processed: &[(&str, Option<&serde_json::Value>)],
     ) -> Result<(), StoreError> {
-        for (key, result) in processed {
-            if let Some(result) = result {
-                self.set_result(&mut tx, consumer, key, result).await?;
+        let results: Vec<(&str, String)> = processed
+            .iter()
+            .filter_map(|(key, result)| result.map(|r| (*key, r.to_string())))
+            .collect();
+        let per_statement = if self.batch.merges_results() {
+            RESULTS_PER_STATEMENT
+        } else {
+            1
+        };
+        for chunk in results.chunks(per_statement) {
+            if let [(key, text)] = chunk {
+                let result_sql = &self.queries.set_result;
+                let binds = [Bind::Text(text), Bind::Text(consumer), Bind::Text(key)];
+                DB::execute(&mut tx, result_sql, &binds)
+                    .await
+                    .map_err(store_error)?;
+                continue;
             }
+            let sql = self.batch.set_results(chunk.len());
+            let binds: Vec<Bind<'_>> = chunk
+                .iter()
+                .flat_map(|(key, text)| [Bind::Text(key), Bind::Text(text)])
+                .chain(std::iter::once(Bind::Text(consumer)))
+                .chain(chunk.iter().map(|(key, _)| Bind::Text(key)))
+                .collect();
+            DB::execute(&mut tx, &sql, &binds)
+                .await
+                .map_err(store_error)?;
         }
         // Only keys this store counted a failure for can have attempts to
         // clear (see `failed_keys`).
