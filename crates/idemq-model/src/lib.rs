@@ -23,6 +23,14 @@
 //!   downstream system that refuses a fencing number lower than the highest
 //!   it has accepted for the key; completion is a compare-and-set on the
 //!   token; a crashed holder's lease stays until it expires.
+//! - [`StoreKind::LeaseRecord`] (the Redis store): the same lease, kept as
+//!   *one record per key* that carries the key's fencing counter and the
+//!   lease's deadline. An expired lease is not deleted: it stays, marked
+//!   expired, until a claim takes it over (counter + 1) or its holder's
+//!   heartbeat renews it (nobody took it over: the holder still holds it);
+//!   a release leaves a free record that keeps the counter. Fencing numbers
+//!   are therefore per key, and the property [`NO_FENCE_REUSE`] checks that
+//!   no key ever hands out one number twice.
 //!
 //! The engine order is claim → handler effect → commit → ack; a duplicate is
 //! acked, a busy key (live lease elsewhere), a lost lease or a failure is
@@ -30,7 +38,8 @@
 //!
 //! [`Flaws`] switch on known-bad variants, each of which the checker must
 //! catch: check-then-insert claims, ack before commit, completion without the
-//! compare-and-set, and downstream writes without the fencing check.
+//! compare-and-set, downstream writes without the fencing check, and a
+//! record lease whose release deletes the record (and with it the counter).
 //!
 //! ```
 //! use idemq_model::{InboxModel, StoreKind};
@@ -50,8 +59,18 @@ use stateright::{Checker, HasDiscoveries, Model, Property};
 pub enum StoreKind {
     /// Claim row and effect in one database transaction (SQL stores).
     Transactional,
-    /// A lease with token, expiry, heartbeat and fencing (Redis and memory stores).
+    /// A lease with token, expiry, heartbeat and a global rising fencing
+    /// number (the memory store).
     Lease,
+    /// A lease kept as one record per key holding the key's fencing counter
+    /// and the lease deadline (the Redis store; see the crate docs).
+    LeaseRecord,
+}
+
+impl StoreKind {
+    fn is_lease(self) -> bool {
+        matches!(self, Self::Lease | Self::LeaseRecord)
+    }
 }
 
 /// Known-bad protocol variants; the checker must find a counterexample for each.
@@ -67,6 +86,9 @@ pub struct Flaws {
     pub complete_without_cas: bool,
     /// The downstream accepts effect writes whatever their fencing number.
     pub write_without_fencing: bool,
+    /// [`StoreKind::LeaseRecord`]: a release deletes the key's record instead
+    /// of leaving a free record with the counter, so the counter starts again.
+    pub release_forgets_fence: bool,
 }
 
 /// The model: store kind, sizes, fault budgets and flaws.
@@ -154,6 +176,10 @@ impl InboxModel {
     }
 
     fn live_holder(&self, s: &State, key: u8, token: u8) -> bool {
+        token != 0 && Self::holder_of(s, key, token)
+    }
+
+    fn holder_of(s: &State, key: u8, token: u8) -> bool {
         s.workers.iter().any(|w| {
             w.msg == key && w.token == token && matches!(w.phase, Phase::Holding | Phase::Effected)
         })
@@ -167,9 +193,9 @@ impl InboxModel {
     fn applied_once(&self, s: &State, k: usize) -> bool {
         match self.store {
             StoreKind::Transactional => s.tx[k].committed && s.tx[k].effects == 1,
-            StoreKind::Lease => match s.rec[k] {
+            StoreKind::Lease | StoreKind::LeaseRecord => match s.rec[k] {
                 // The downstream holds the completing holder's write.
-                Rec::Done(t) => s.down[k].max_fence == t && s.down[k].writes >= 1,
+                Rec::Done(fence) => s.down[k].max_fence == fence && s.down[k].writes >= 1,
                 _ => false,
             },
         }
@@ -228,6 +254,9 @@ pub struct Violation {
 pub const NO_DOUBLE_EFFECT: &str = "no double effect";
 /// Property: a holder that lost its claim never completes (commits or writes over a newer holder).
 pub const NO_STALE_COMPLETION: &str = "no stale holder completes";
+/// Property: no key hands out a fencing number twice (each acquisition gets a
+/// higher one than every earlier acquisition of the key).
+pub const NO_FENCE_REUSE: &str = "no fencing number handed out twice";
 /// Property: when everything has settled, every message was applied once.
 pub const NO_LOSS: &str = "no loss at quiescence";
 /// A `sometimes` property: the model can reach "everything applied".
@@ -259,8 +288,10 @@ pub enum Phase {
 pub struct Worker {
     phase: Phase,
     msg: u8,
-    /// The lease token (= fencing number) it holds, 0 for none.
+    /// The lease token it holds (unique per acquisition), 0 for none.
     token: u8,
+    /// The fencing number of that lease (= the token for [`StoreKind::Lease`]).
+    fence: u8,
     /// Its delivery was acked already (ack-before-commit).
     acked: bool,
 }
@@ -278,12 +309,29 @@ pub struct TxKey {
 /// Lease store: the record of a key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Rec {
-    /// No record (never claimed, rolled back or expired).
+    /// No record (never claimed, rolled back or expired; a record lease's
+    /// counter is then 0).
     Absent,
-    /// Held by the lease with this token.
-    InFlight(u8),
-    /// Completed by the lease with this token.
+    /// Record lease only: released, keeping the key's fencing counter.
+    Free(u8),
+    /// Held by the lease with this token and fencing number; a record lease
+    /// stays after its deadline (`expired`) until taken over or renewed.
+    InFlight {
+        /// The holder's token.
+        token: u8,
+        /// The holder's fencing number.
+        fence: u8,
+        /// The deadline has passed (record lease only).
+        expired: bool,
+    },
+    /// Completed by the lease with this fencing number.
     Done(u8),
+}
+
+impl Rec {
+    fn held_by(self, token: u8) -> bool {
+        matches!(self, Rec::InFlight { token: t, .. } if t == token && token != 0)
+    }
 }
 
 /// The downstream system of a lease store, per key.
@@ -313,6 +361,10 @@ pub struct State {
     completions: Vec<u8>,
     /// Completions by a holder that no longer held the claim.
     stale_completions: u8,
+    /// Per key, the highest fencing number handed out.
+    max_issued: Vec<u8>,
+    /// Acquisitions handed a fencing number not above an earlier one of the key.
+    fence_reuses: u8,
     next_token: u8,
     faults: u8,
     duplicates: u8,
@@ -340,6 +392,9 @@ pub enum Action {
     HeartbeatLost(u8),
     /// The lease on key `msg` expires.
     Expire(u8),
+    /// Record lease: the holder's heartbeat renews its expired lease (nobody
+    /// took it over).
+    Renew(u8),
     /// The broker delivers one more copy of `msg`.
     Duplicate(u8),
 }
@@ -357,6 +412,7 @@ impl Model for InboxModel {
                     phase: Phase::Idle,
                     msg: 0,
                     token: 0,
+                    fence: 0,
                     acked: false,
                 };
                 usize::from(self.workers)
@@ -366,6 +422,8 @@ impl Model for InboxModel {
             down: vec![Downstream::default(); n],
             completions: vec![0; n],
             stale_completions: 0,
+            max_issued: vec![0; n],
+            fence_reuses: 0,
             next_token: 0,
             faults: 0,
             duplicates: 0,
@@ -396,17 +454,23 @@ impl Model for InboxModel {
                     actions.push(Action::Fail(i));
                 }
             }
-            if self.store == StoreKind::Lease
-                && matches!(w.phase, Phase::Holding | Phase::Effected)
-                && s.rec[usize::from(w.msg)] != Rec::InFlight(w.token)
-            {
-                actions.push(Action::HeartbeatLost(i));
+            if self.store.is_lease() && matches!(w.phase, Phase::Holding | Phase::Effected) {
+                match s.rec[usize::from(w.msg)] {
+                    rec if !rec.held_by(w.token) => actions.push(Action::HeartbeatLost(i)),
+                    Rec::InFlight { expired: true, .. } => actions.push(Action::Renew(i)),
+                    _ => {}
+                }
             }
         }
-        if self.store == StoreKind::Lease {
+        if self.store.is_lease() {
             for (k, rec) in s.rec.iter().enumerate() {
-                if let Rec::InFlight(t) = *rec {
-                    if !self.live_holder(s, k as u8, t)
+                if let Rec::InFlight {
+                    token,
+                    expired: false,
+                    ..
+                } = *rec
+                {
+                    if !self.live_holder(s, k as u8, token)
                         || s.premature_expiries < self.max_premature_expiries
                     {
                         actions.push(Action::Expire(k as u8));
@@ -430,6 +494,7 @@ impl Model for InboxModel {
                     phase: Phase::Received,
                     msg,
                     token: 0,
+                    fence: 0,
                     acked: false,
                 };
             }
@@ -441,9 +506,9 @@ impl Model for InboxModel {
                 let k = usize::from(w.msg);
                 match self.store {
                     StoreKind::Transactional => s.tx[k].lockers &= !(1 << i),
-                    StoreKind::Lease => {
+                    StoreKind::Lease | StoreKind::LeaseRecord => {
                         // The lease stays until it expires; a written effect stays too.
-                        if w.phase == Phase::Effected && s.rec[k] == Rec::InFlight(w.token) {
+                        if w.phase == Phase::Effected && s.rec[k].held_by(w.token) {
                             s.down[k].losses += 1;
                         }
                     }
@@ -463,16 +528,42 @@ impl Model for InboxModel {
                 let i = usize::from(i);
                 s.workers[i].phase = Phase::Retry;
                 s.workers[i].token = 0;
+                s.workers[i].fence = 0;
             }
             Action::Expire(k) => {
                 let k = usize::from(k);
-                if let Rec::InFlight(t) = s.rec[k] {
-                    if self.live_holder(&s, k as u8, t) {
+                if let Rec::InFlight { token, fence, .. } = s.rec[k] {
+                    let live = self.live_holder(&s, k as u8, token);
+                    if live {
                         s.premature_expiries += 1;
-                        s.down[k].losses += 1;
+                    }
+                    if self.store == StoreKind::LeaseRecord {
+                        // The record stays, expired: a takeover counts the loss.
+                        s.rec[k] = Rec::InFlight {
+                            token,
+                            fence,
+                            expired: true,
+                        };
+                    } else {
+                        if live {
+                            s.down[k].losses += 1;
+                        }
+                        s.rec[k] = Rec::Absent;
                     }
                 }
-                s.rec[k] = Rec::Absent;
+            }
+            Action::Renew(i) => {
+                let w = &s.workers[usize::from(i)];
+                let k = usize::from(w.msg);
+                if let Rec::InFlight { token, fence, .. } = s.rec[k] {
+                    if token == w.token {
+                        s.rec[k] = Rec::InFlight {
+                            token,
+                            fence,
+                            expired: false,
+                        };
+                    }
+                }
             }
             Action::Duplicate(m) => {
                 s.duplicates += 1;
@@ -493,13 +584,16 @@ impl Model for InboxModel {
                     // A lease store cannot undo a write made by a holder that
                     // then lost its lease (crash, expiry): such writes are
                     // superseded by fencing. Any other second write is a double.
-                    StoreKind::Lease => {
+                    StoreKind::Lease | StoreKind::LeaseRecord => {
                         completions_ok && s.down.iter().all(|d| d.writes <= 1 + d.losses)
                     }
                 }
             }),
             Property::always(NO_STALE_COMPLETION, |_: &InboxModel, s: &State| {
                 s.stale_completions == 0 && s.down.iter().all(|d| d.stale_writes == 0)
+            }),
+            Property::always(NO_FENCE_REUSE, |_: &InboxModel, s: &State| {
+                s.fence_reuses == 0
             }),
             Property::always(NO_LOSS, |m: &InboxModel, s: &State| {
                 !InboxModel::quiescent(s)
@@ -518,6 +612,7 @@ fn idle() -> Worker {
         phase: Phase::Idle,
         msg: 0,
         token: 0,
+        fence: 0,
         acked: false,
     }
 }
@@ -534,15 +629,22 @@ impl InboxModel {
         }
     }
 
-    /// Rolls back the worker's claim: the transaction, or the lease by compare-and-delete.
+    /// Rolls back the worker's claim: the transaction, or the lease by
+    /// compare-and-delete (a record lease keeps its counter in a free record).
     fn abandon(&self, s: &mut State, i: usize) {
         let w = s.workers[i].clone();
         let k = usize::from(w.msg);
         match self.store {
             StoreKind::Transactional => s.tx[k].lockers &= !(1 << i),
-            StoreKind::Lease => {
-                if s.rec[k] == Rec::InFlight(w.token) {
-                    s.rec[k] = Rec::Absent;
+            StoreKind::Lease | StoreKind::LeaseRecord => {
+                if s.rec[k].held_by(w.token) {
+                    s.rec[k] = if self.store == StoreKind::LeaseRecord
+                        && !self.flaws.release_forgets_fence
+                    {
+                        Rec::Free(w.fence)
+                    } else {
+                        Rec::Absent
+                    };
                     if w.phase == Phase::Effected {
                         // Released after writing: the write stays downstream.
                         s.down[k].losses += 1;
@@ -551,6 +653,45 @@ impl InboxModel {
             }
         }
         s.workers[i].token = 0;
+        s.workers[i].fence = 0;
+    }
+
+    /// A new lease on key `k` for worker `i`: a fresh token, and the next
+    /// fencing number (global for [`StoreKind::Lease`], the record's counter
+    /// + 1 for [`StoreKind::LeaseRecord`], which takes an expired lease over).
+    /// `blind` is the check-then-insert flaw's unconditional overwrite,
+    /// which counts no loss for a live holder it overwrites.
+    fn acquire(&self, s: &mut State, i: usize, k: usize, blind: bool) {
+        s.next_token += 1;
+        let token = s.next_token;
+        let fence = match (self.store, s.rec[k]) {
+            (StoreKind::LeaseRecord, Rec::Free(f)) => f + 1,
+            (
+                StoreKind::LeaseRecord,
+                Rec::InFlight {
+                    token: old, fence, ..
+                },
+            ) => {
+                if !blind && self.live_holder(s, k as u8, old) {
+                    // Taken over from a live holder: its write may land.
+                    s.down[k].losses += 1;
+                }
+                fence + 1
+            }
+            (StoreKind::LeaseRecord, _) => 1,
+            _ => token,
+        };
+        if fence <= s.max_issued[k] {
+            s.fence_reuses += 1;
+        }
+        s.max_issued[k] = s.max_issued[k].max(fence);
+        s.rec[k] = Rec::InFlight {
+            token,
+            fence,
+            expired: false,
+        };
+        s.workers[i].token = token;
+        s.workers[i].fence = fence;
     }
 
     fn step(&self, s: &mut State, i: usize) {
@@ -577,37 +718,36 @@ impl InboxModel {
                 s.tx[k].lockers |= bit;
                 Phase::Holding
             }
-            (StoreKind::Lease, Phase::Received) => match s.rec[k] {
+            (StoreKind::Lease | StoreKind::LeaseRecord, Phase::Received) => match s.rec[k] {
                 Rec::Done(_) => Phase::Duplicate,
-                Rec::InFlight(_) => Phase::Retry,
-                Rec::Absent if self.flaws.check_then_insert => Phase::Checked,
-                Rec::Absent => {
-                    s.next_token += 1;
-                    s.rec[k] = Rec::InFlight(s.next_token);
-                    s.workers[i].token = s.next_token;
+                Rec::InFlight { expired: false, .. } => Phase::Retry,
+                Rec::InFlight { expired: true, .. } if self.store == StoreKind::Lease => {
+                    Phase::Retry
+                }
+                _ if self.flaws.check_then_insert => Phase::Checked,
+                _ => {
+                    self.acquire(s, i, k, false);
                     Phase::Holding
                 }
             },
-            (StoreKind::Lease, Phase::Checked) => {
+            (StoreKind::Lease | StoreKind::LeaseRecord, Phase::Checked) => {
                 // The unconditional SET after the GET.
-                s.next_token += 1;
-                s.rec[k] = Rec::InFlight(s.next_token);
-                s.workers[i].token = s.next_token;
+                self.acquire(s, i, k, true);
                 Phase::Holding
             }
             // The handler's effect.
             (StoreKind::Transactional, Phase::Holding) => Phase::Effected,
-            (StoreKind::Lease, Phase::Holding) => {
+            (StoreKind::Lease | StoreKind::LeaseRecord, Phase::Holding) => {
                 let d = &mut s.down[k];
-                if !self.flaws.write_without_fencing && w.token < d.max_fence {
+                if !self.flaws.write_without_fencing && w.fence < d.max_fence {
                     // Refused by the downstream: the handler fails, rollback, nack.
                     self.abandon(s, i);
                     Phase::Retry
                 } else {
-                    if w.token < d.max_fence || matches!(s.rec[k], Rec::Done(_)) {
+                    if w.fence < d.max_fence || matches!(s.rec[k], Rec::Done(_)) {
                         d.stale_writes += 1;
                     }
-                    d.max_fence = d.max_fence.max(w.token);
+                    d.max_fence = d.max_fence.max(w.fence);
                     d.writes += 1;
                     Phase::Effected
                 }
@@ -627,14 +767,16 @@ impl InboxModel {
                 s.completions[k] += 1;
                 Phase::Completed
             }
-            (StoreKind::Lease, Phase::Effected) => {
-                let holds = s.rec[k] == Rec::InFlight(w.token);
+            (StoreKind::Lease | StoreKind::LeaseRecord, Phase::Effected) => {
+                // Compare-and-set on the token: an expired record lease that
+                // nobody took over is still this holder's.
+                let holds = s.rec[k].held_by(w.token);
                 if holds || self.flaws.complete_without_cas {
                     // Stale: another lease took the key over (or completed it).
-                    if !holds && s.rec[k] != Rec::Absent {
+                    if !holds && !matches!(s.rec[k], Rec::Absent | Rec::Free(_)) {
                         s.stale_completions += 1;
                     }
-                    s.rec[k] = Rec::Done(w.token);
+                    s.rec[k] = Rec::Done(w.fence);
                     s.completions[k] += 1;
                     Phase::Completed
                 } else {
