@@ -660,34 +660,42 @@ async fn a_stale_batch_holder_is_fenced_off() {
         .unwrap();
     assert_eq!(flags, [true]);
 
-    // Both of A's leases expired during the stall (k1 was taken over, k2's
-    // record is gone): the heartbeat reports both lost and the stale batch
-    // completes neither.
+    // Both of A's leases expired during the stall. k1 was taken over: the
+    // heartbeat reports it lost and A's completion of it is refused. Nobody
+    // took k2 over, so it is still A's (its record keeps the lease until a
+    // claim takes it): the heartbeat renews it and A completes it.
     let (lost, flags) = stale.join().unwrap();
-    assert_eq!(lost, [true, true], "the heartbeat reported the lost leases");
-    assert_eq!(flags, [false, false], "A's completions are refused");
+    assert_eq!(lost, [true, false], "the heartbeat reported k1 lost");
+    assert_eq!(flags, [false, true], "A's completion of k1 is refused");
     let k1 = store.inspect("ledger", "k1").await.unwrap().inbox.unwrap();
     assert_eq!(
         k1.result,
         Some(serde_json::json!("B")),
         "B's completion stands"
     );
-    // k2 is free for its redelivery, with a higher fencing number than A's.
     let k2 = store.inspect("ledger", "k2").await.unwrap();
-    assert!(k2.inbox.is_none() && !k2.in_flight, "{k2:?}");
+    assert!(k2.inbox.is_some() && !k2.in_flight, "{k2:?}");
     let mut again = unit(&store, lease);
-    let claims = [req("k2", lease)];
-    assert_eq!(
-        again.claim(&claims).await.unwrap(),
-        [MemberAnswer::New],
-        "k2 is claimed anew"
-    );
-    assert!(again.tx(0).unwrap().fencing_token() > fences_a[1]);
-    again.abort().await;
+    let claims = [req("k2", lease), req("k3", lease)];
+    let answers = again.claim(&claims).await.unwrap();
     assert!(
-        !store.inspect("ledger", "k2").await.unwrap().in_flight,
-        "abort released k2"
+        matches!(answers[0], MemberAnswer::Done(_)),
+        "k2's redelivery is a duplicate: {answers:?}"
     );
+    assert_eq!(answers[1], MemberAnswer::New);
+    let fence_k3 = again.tx(1).unwrap().fencing_token();
+    again.abort().await;
+    let k3 = store.inspect("ledger", "k3").await.unwrap();
+    assert!(
+        k3.inbox.is_none() && !k3.in_flight,
+        "abort released k3: {k3:?}"
+    );
+    // The released record keeps the fencing counter: k3's next holder gets more.
+    let mut next = unit(&store, lease);
+    let claims = [req("k3", lease)];
+    assert_eq!(next.claim(&claims).await.unwrap(), [MemberAnswer::New]);
+    assert!(next.tx(0).unwrap().fencing_token() > fence_k3);
+    next.abort().await;
     cleanup(&store, &prefix).await;
 }
 

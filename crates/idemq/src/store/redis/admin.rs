@@ -2,6 +2,7 @@
 //! stats, dead letters, forced release.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use async_trait::async_trait;
 
@@ -126,7 +127,7 @@ impl StoreAdmin for RedisStore {
             .await?;
         let (inbox, in_flight) = match rec.as_deref() {
             Some(v) if v.starts_with("done:") => (parse_done(consumer, key, &v[5..]), false),
-            Some(_) => (None, true),
+            Some(v) => (None, lease_live(v, now_ms())),
             None => (None, false),
         };
         let att: HashMap<String, String> = self
@@ -241,8 +242,9 @@ impl StoreAdmin for RedisStore {
         Ok(n == 1)
     }
 
-    /// Deletes the key's record if it is in flight (whatever its token), so
-    /// the next claim takes the key at once; the old holder's completion is
+    /// Frees the key's record if it is in flight (whatever its token; the
+    /// fencing counter stays), so the next claim takes the key at once with
+    /// a higher fencing number; the old holder's completion is
     /// then refused ([`StoreErrorKind::LeaseLost`](crate::StoreErrorKind::LeaseLost)) and its heartbeat reports
     /// the loss.
     async fn release(&self, consumer: &str, key: &str) -> Result<bool, StoreError> {
@@ -250,9 +252,39 @@ impl StoreAdmin for RedisStore {
             .scripts
             .force_release
             .key(self.keys.scoped(consumer, key, "rec"))
+            .arg(self.record_ttl(Duration::ZERO))
             .invoke_async(&mut self.conn())
             .await
             .map_err(map_err)?;
         Ok(n == 1)
+    }
+}
+
+/// Whether the record `v` is a lease whose deadline (by this machine's
+/// clock) has not passed: `in-flight:<token>:<fence>:<deadline>:<first
+/// seen>`; a record of the previous layout (`in-flight:<token>`, expiring
+/// with its lease) is live while it exists. A free record is not.
+fn lease_live(v: &str, now_ms: i64) -> bool {
+    let Some(rest) = v.strip_prefix("in-flight:") else {
+        return false;
+    };
+    let fields: Vec<&str> = rest.split(':').collect();
+    match fields.as_slice() {
+        [_, _, deadline, _] => deadline.parse::<i64>().map_or(true, |d| d > now_ms),
+        _ => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lease_live;
+
+    #[test]
+    fn a_lease_is_live_until_its_deadline() {
+        assert!(lease_live("in-flight:ab1:1700000000000:2000:1000", 1999));
+        assert!(!lease_live("in-flight:ab1:1700000000000:2000:1000", 2000));
+        assert!(lease_live("in-flight:0123abcd", 5_000));
+        assert!(!lease_live("free:17:1000", 0));
+        assert!(!lease_live("done:{}", 0));
     }
 }

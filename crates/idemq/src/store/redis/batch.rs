@@ -2,22 +2,22 @@
 //! lease protocol as the per-key scripts, a whole batch per round trip.
 //!
 //! - **claim**: one Lua script over every key of the batch does, per key,
-//!   what the per-key claim script does (a `done` record answers
-//!   [`Claim::Done`], a live `in-flight:` record [`Claim::InFlight`],
-//!   otherwise `SET rec in-flight:<token> PX <lease>`, `HINCRBY` of the
-//!   key's fencing counter, first-seen time). Every key gets its own token
-//!   (`<batch uuid>.<n>`) and its own fencing number.
-//! - **heartbeat**: one task per batch, every `lease / 3`, extends every
-//!   lease the batch still holds in one script (compare-on-token
-//!   `PEXPIRE`); a lease found taken over is marked lost
+//!   what the per-key claim script does on the key's one record (a `done`
+//!   record answers [`Claim::Done`], a lease before its deadline
+//!   [`Claim::InFlight`], otherwise a new lease with the record's next
+//!   fencing number; `GET` and `SET` per key, one `TIME` per batch). Every
+//!   key gets its own token (`<batch token>.<n>`) and fencing number.
+//! - **heartbeat**: one task per batch, every `lease / 3`, moves the
+//!   deadline of every lease the batch still holds in one script
+//!   (compare-on-token); a lease found taken over is marked lost
 //!   ([`RedisLease::lease_lost`]), and if Redis cannot be reached for a whole
 //!   lease, all of them are.
 //! - **complete**: one script completes the processed keys (compare-and-set
-//!   from this token's in-flight record to the `done:` record with the
-//!   retention TTL, clearing failed attempts and the first-seen time),
-//!   releases the failed ones (compare-and-delete), and updates the
-//!   consumer's indexes (done index, failing set, consumer set) in the same
-//!   round trip.
+//!   from this token's lease to the `done:` record with the retention TTL,
+//!   clearing failed attempts), releases the failed ones (to free records
+//!   keeping their counters), and adds the completed keys to the consumer's
+//!   done index in the same round trip (its TTL and trimming, and the set of
+//!   consumers, about once a second).
 //! - A batch dropped while it holds leases (its task was aborted) releases
 //!   them at once, in one script, like a rollback.
 //!
@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use redis::{RedisError, Script};
 
+use super::scripts::{lua_now, lua_record};
 use super::{done_value, map_err, millis, RedisConnection, RedisLease, RedisStore, Scripts};
 use crate::error::StoreErrorKind;
 use crate::store::{now_ms, Claim, StoreError};
@@ -50,74 +51,61 @@ pub(super) struct LeaseCompletion<'a> {
     pub(super) result: Option<&'a serde_json::Value>,
 }
 
-/// KEYS: rec, fence per key. ARGV: token prefix, lease ms, now ms, fence TTL ms.
-const BATCH_CLAIM: &str = r#"
-local out = {}
-for i = 1, #KEYS / 2 do
-  local rec, fence = KEYS[2 * i - 1], KEYS[2 * i]
-  local v = redis.call('GET', rec)
-  if v then
-    if string.sub(v, 1, 5) == 'done:' then
-      out[i] = {'done', string.sub(v, 6)}
-    else
-      out[i] = {'busy'}
-    end
-  else
-    redis.call('SET', rec, 'in-flight:' .. ARGV[1] .. i, 'PX', ARGV[2])
-    local n = redis.call('HINCRBY', fence, 'n', 1)
-    local fs = redis.call('HGET', fence, 'first_seen')
-    if not fs then
-      fs = ARGV[3]
-      redis.call('HSET', fence, 'first_seen', fs)
-    end
-    redis.call('PEXPIRE', fence, ARGV[4])
-    out[i] = {'new', tostring(n), fs}
-  end
-end
-return out
-"#;
-
-/// KEYS: rec per key. ARGV: lease ms, then the token per key.
-const BATCH_EXTEND: &str = r#"
+/// KEYS: rec per key. ARGV: token prefix, lease ms, record TTL ms. Per
+/// key, what the per-key claim script does, with token `<prefix><n>`.
+const BATCH_CLAIM: &str = concat!(
+    lua_now!(),
+    lua_record!(),
+    r#"
 local out = {}
 for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == 'in-flight:' .. ARGV[i + 1] then
-    redis.call('PEXPIRE', KEYS[i], ARGV[1])
-    out[i] = 1
-  else
-    out[i] = 0
-  end
+  out[i] = claim(KEYS[i], redis.call('GET', KEYS[i]), ARGV[1] .. i, now, tonumber(ARGV[2]), ARGV[3])
 end
 return out
-"#;
+"#
+);
 
-/// KEYS: rec per key. ARGV: the token per key.
-const BATCH_RELEASE: &str = r#"
+/// KEYS: rec per key. ARGV: lease ms, record TTL ms, then the token per key.
+const BATCH_EXTEND: &str = concat!(
+    lua_now!(),
+    lua_record!(),
+    r#"
+local out = {}
+for i = 1, #KEYS do
+  out[i] = extend(KEYS[i], redis.call('GET', KEYS[i]), ARGV[i + 2], now, tonumber(ARGV[1]), ARGV[2])
+end
+return out
+"#
+);
+
+/// KEYS: rec per key. ARGV: record TTL ms, then the token per key.
+const BATCH_RELEASE: &str = concat!(
+    lua_record!(),
+    r#"
 local n = 0
 for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == 'in-flight:' .. ARGV[i] then
-    redis.call('DEL', KEYS[i])
-    n = n + 1
-  end
+  n = n + release(KEYS[i], redis.call('GET', KEYS[i]), ARGV[i + 1], ARGV[1])
 end
 return n
-"#;
+"#
+);
 
-/// KEYS: done index, failing set, consumer set; rec, fence, att per
-/// completion; rec per release. ARGV: retention ms, horizon ms, consumer,
-/// completions; token, done value, first seen, key per completion; token per
-/// release.
-const BATCH_COMPLETE: &str = r#"
+/// KEYS: done index, failing set, consumer set; rec, att per completion;
+/// rec per release. ARGV: retention ms, horizon ms, consumer, completions,
+/// `1` when the index maintenance is due, record TTL ms; token, done value,
+/// first seen, key per completion; token per release.
+const BATCH_COMPLETE: &str = concat!(
+    lua_record!(),
+    r#"
 local n = tonumber(ARGV[4])
 local out = {}
 local done = 0
 for i = 1, n do
-  local k = 3 + 3 * (i - 1)
-  local a = 4 + 4 * (i - 1)
-  if redis.call('GET', KEYS[k + 1]) == 'in-flight:' .. ARGV[a + 1] then
+  local k = 3 + 2 * (i - 1)
+  local a = 6 + 4 * (i - 1)
+  if held(redis.call('GET', KEYS[k + 1]), ARGV[a + 1]) then
     redis.call('SET', KEYS[k + 1], ARGV[a + 2], 'PX', ARGV[1])
-    redis.call('HDEL', KEYS[k + 2], 'first_seen')
-    if redis.call('DEL', KEYS[k + 3]) == 1 then
+    if redis.call('DEL', KEYS[k + 2]) == 1 then
       redis.call('SREM', KEYS[2], ARGV[a + 4])
     end
     redis.call('ZADD', KEYS[1], ARGV[a + 3], ARGV[a + 4])
@@ -127,20 +115,19 @@ for i = 1, n do
     out[i] = 0
   end
 end
-local rk = 3 + 3 * n
-local ra = 4 + 4 * n
+local rk = 3 + 2 * n
+local ra = 6 + 4 * n
 for j = 1, #KEYS - rk do
-  if redis.call('GET', KEYS[rk + j]) == 'in-flight:' .. ARGV[ra + j] then
-    redis.call('DEL', KEYS[rk + j])
-  end
+  release(KEYS[rk + j], redis.call('GET', KEYS[rk + j]), ARGV[ra + j], ARGV[6])
 end
-if done > 0 then
+if done > 0 and ARGV[5] == '1' then
   redis.call('PEXPIRE', KEYS[1], ARGV[1])
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[2])
   redis.call('SADD', KEYS[3], ARGV[3])
 end
 return out
-"#;
+"#
+);
 
 struct BatchScripts {
     claim: Script,
@@ -174,6 +161,8 @@ pub(super) struct RedisLeaseGroup {
     conn: RedisConnection,
     scripts: Arc<Scripts>,
     lease: Duration,
+    /// The TTL of the records of the group's keys while not done.
+    ttl_ms: u64,
     held: Arc<Mutex<Vec<Held>>>,
     heartbeat: Option<tokio::task::JoinHandle<()>>,
 }
@@ -197,10 +186,11 @@ async fn extend(
     scripts: &Scripts,
     held: &[Held],
     lease_ms: u64,
+    ttl_ms: u64,
 ) -> Result<Vec<bool>, RedisError> {
     if conn.is_single() {
         let mut invocation = batch_scripts().extend.prepare_invoke();
-        invocation.arg(lease_ms);
+        invocation.arg(lease_ms).arg(ttl_ms);
         for h in held {
             invocation.key(&h.rec).arg(&h.token);
         }
@@ -215,6 +205,7 @@ async fn extend(
                 .key(&h.rec)
                 .arg(&h.token)
                 .arg(lease_ms)
+                .arg(ttl_ms)
                 .invoke_async(&mut conn)
                 .await;
             r
@@ -232,12 +223,14 @@ async fn release(
     conn: &mut RedisConnection,
     scripts: &Scripts,
     held: &[Held],
+    ttl_ms: u64,
 ) -> Result<(), RedisError> {
     if held.is_empty() {
         return Ok(());
     }
     if conn.is_single() {
         let mut invocation = batch_scripts().release.prepare_invoke();
+        invocation.arg(ttl_ms);
         for h in held {
             invocation.key(&h.rec).arg(&h.token);
         }
@@ -251,6 +244,7 @@ async fn release(
                 .release
                 .key(&h.rec)
                 .arg(&h.token)
+                .arg(ttl_ms)
                 .invoke_async(&mut conn)
                 .await;
             r
@@ -265,13 +259,18 @@ async fn release(
 /// Compare-and-deletes every lease in `held` with `EVAL` (not `EVALSHA`):
 /// the release of a dropped batch is queued on the connection at once, even
 /// if Redis has not cached the script, before anything sent after the drop.
-async fn release_now(conn: &mut RedisConnection, held: &[Held]) -> Result<(), RedisError> {
+async fn release_now(
+    conn: &mut RedisConnection,
+    held: &[Held],
+    ttl_ms: u64,
+) -> Result<(), RedisError> {
     if conn.is_single() {
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(BATCH_RELEASE).arg(held.len());
         for h in held {
             cmd.arg(&h.rec);
         }
+        cmd.arg(ttl_ms);
         for h in held {
             cmd.arg(&h.token);
         }
@@ -281,7 +280,11 @@ async fn release_now(conn: &mut RedisConnection, held: &[Held]) -> Result<(), Re
     let calls = held.iter().map(|h| {
         let mut conn = conn.clone();
         let mut cmd = redis::cmd("EVAL");
-        cmd.arg(super::RELEASE).arg(1).arg(&h.rec).arg(&h.token);
+        cmd.arg(super::RELEASE)
+            .arg(1)
+            .arg(&h.rec)
+            .arg(&h.token)
+            .arg(ttl_ms);
         async move {
             let r: Result<i64, RedisError> = cmd.query_async(&mut conn).await;
             r
@@ -304,6 +307,7 @@ impl RedisLeaseGroup {
         let lease = self.lease;
         let every = (lease / 3).max(Duration::from_millis(1));
         let lease_ms = millis(lease);
+        let ttl_ms = self.ttl_ms;
         self.heartbeat = Some(tokio::spawn(async move {
             let mut last_ok = Instant::now();
             loop {
@@ -312,7 +316,7 @@ impl RedisLeaseGroup {
                 if snapshot.is_empty() {
                     continue;
                 }
-                match extend(&mut conn, &scripts, &snapshot, lease_ms).await {
+                match extend(&mut conn, &scripts, &snapshot, lease_ms, ttl_ms).await {
                     Ok(flags) => {
                         last_ok = Instant::now();
                         let lost: Vec<&Held> = snapshot
@@ -370,8 +374,9 @@ impl Drop for RedisLeaseGroup {
             return;
         };
         let mut conn = self.conn.clone();
+        let ttl_ms = self.ttl_ms;
         let mut fut = Box::pin(async move {
-            if let Err(e) = release_now(&mut conn, &held).await {
+            if let Err(e) = release_now(&mut conn, &held, ttl_ms).await {
                 tracing::warn!(leases = held.len(), error = %e, "releasing a dropped batch's leases failed; they will expire");
             }
         });
@@ -400,6 +405,7 @@ impl RedisStore {
             conn: self.conn(),
             scripts: Arc::clone(&self.scripts),
             lease,
+            ttl_ms: self.record_ttl(lease),
             held: Arc::default(),
             heartbeat: None,
         }
@@ -417,54 +423,40 @@ impl RedisStore {
         if claims.is_empty() {
             return Ok(Vec::new());
         }
-        let prefix = format!("{}.", uuid::Uuid::new_v4().simple());
+        let prefix = format!("{}.", self.tokens.next());
         let lease_ms = millis(group.lease);
-        let fence_ttl = millis(self.options.retention + group.lease);
-        let now = now_ms();
+        let ttl_ms = group.ttl_ms;
         let recs: Vec<String> = claims
             .iter()
             .map(|(key, _)| self.keys.scoped(consumer, key, "rec"))
             .collect();
         let replies: Vec<Vec<String>> = if self.conn.is_single() {
             let mut invocation = batch_scripts().claim.prepare_invoke();
-            invocation
-                .arg(&prefix)
-                .arg(lease_ms)
-                .arg(now)
-                .arg(fence_ttl);
-            for ((key, _), rec) in claims.iter().zip(&recs) {
-                invocation
-                    .key(rec)
-                    .key(self.keys.scoped(consumer, key, "fence"));
+            invocation.arg(&prefix).arg(lease_ms).arg(ttl_ms);
+            for rec in &recs {
+                invocation.key(rec);
             }
             invocation
                 .invoke_async(&mut self.conn())
                 .await
                 .map_err(map_err)?
         } else {
-            let calls = claims
-                .iter()
-                .zip(&recs)
-                .enumerate()
-                .map(|(i, ((key, _), rec))| {
-                    let mut conn = self.conn();
-                    let token = format!("{prefix}{}", i + 1);
-                    let fence = self.keys.scoped(consumer, key, "fence");
-                    async move {
-                        let r: Result<Vec<String>, RedisError> = self
-                            .scripts
-                            .claim
-                            .key(rec)
-                            .key(fence)
-                            .arg(token)
-                            .arg(lease_ms)
-                            .arg(now)
-                            .arg(fence_ttl)
-                            .invoke_async(&mut conn)
-                            .await;
-                        r
-                    }
-                });
+            let calls = recs.iter().enumerate().map(|(i, rec)| {
+                let mut conn = self.conn();
+                let token = format!("{prefix}{}", i + 1);
+                async move {
+                    let r: Result<Vec<String>, RedisError> = self
+                        .scripts
+                        .claim
+                        .key(rec)
+                        .arg(token)
+                        .arg(lease_ms)
+                        .arg(ttl_ms)
+                        .invoke_async(&mut conn)
+                        .await;
+                    r
+                }
+            });
             join_all(calls)
                 .await
                 .into_iter()
@@ -507,6 +499,7 @@ impl RedisStore {
                         token,
                         fencing,
                         first_seen_ms,
+                        lease: group.lease,
                         lost,
                         heartbeat: None,
                         release_on_drop: None,
@@ -524,7 +517,7 @@ impl RedisStore {
         if let (false, Some(ack)) = (held.is_empty(), &self.options.replica_ack) {
             // Every master of the batch's keys (one WAIT on a single Redis).
             if let Err(e) = self.conn.wait_for_replicas(None, ack).await {
-                if let Err(release) = release_now(&mut self.conn(), &held).await {
+                if let Err(release) = release_now(&mut self.conn(), &held, ttl_ms).await {
                     tracing::warn!(error = %release, "releasing leases the replicas did not acknowledge failed; they expire after one lease");
                 }
                 return Err(e);
@@ -548,6 +541,7 @@ impl RedisStore {
         failed: Vec<RedisLease>,
     ) -> Result<Vec<bool>, StoreError> {
         group.disarm();
+        let ttl_ms = group.ttl_ms;
         drop(group);
         if done.is_empty() && failed.is_empty() {
             return Ok(Vec::new());
@@ -567,12 +561,15 @@ impl RedisStore {
                 .arg(retention)
                 .arg(self.retention_horizon())
                 .arg(consumer)
-                .arg(done.len());
+                .arg(done.len())
+                .arg(u8::from(
+                    !done.is_empty() && self.index_maintenance_due(consumer),
+                ))
+                .arg(ttl_ms);
             for d in &done {
                 let (c, k) = (d.lease.consumer.as_str(), d.lease.key.as_str());
                 invocation
                     .key(self.keys.scoped(c, k, "rec"))
-                    .key(self.keys.scoped(c, k, "fence"))
                     .key(self.keys.scoped(c, k, "att"))
                     .arg(&d.lease.token)
                     .arg(done_value(d.fingerprint, d.result, d.lease.first_seen_ms))
@@ -590,7 +587,8 @@ impl RedisStore {
                 .map_err(map_err)?;
             flags.into_iter().map(|f| f == 1).collect()
         } else {
-            self.complete_per_key(&done, &failed, retention).await?
+            self.complete_per_key(&done, &failed, retention, ttl_ms)
+                .await?
         };
         flags.resize(done.len(), false);
         for (d, ok) in done.iter().zip(&flags) {
@@ -613,6 +611,7 @@ impl RedisStore {
         done: &[LeaseCompletion<'_>],
         failed: &[RedisLease],
         retention: u64,
+        ttl_ms: u64,
     ) -> Result<Vec<bool>, StoreError> {
         let completions = done.iter().map(|d| {
             let mut conn = self.conn();
@@ -620,7 +619,6 @@ impl RedisStore {
             let invocation = {
                 let mut i = self.scripts.complete.prepare_invoke();
                 i.key(self.keys.scoped(c, k, "rec"))
-                    .key(self.keys.scoped(c, k, "fence"))
                     .key(self.keys.scoped(c, k, "att"))
                     .arg(&d.lease.token)
                     .arg(done_value(d.fingerprint, d.result, d.lease.first_seen_ms))
@@ -643,13 +641,13 @@ impl RedisStore {
         let mut conn = self.conn();
         let (flags, released) = futures_util::future::join(
             join_all(completions),
-            release(&mut conn, &self.scripts, &held),
+            release(&mut conn, &self.scripts, &held, ttl_ms),
         )
         .await;
         released.map_err(map_err)?;
         let flags: Vec<bool> = flags
             .into_iter()
-            .map(|r| r.map(|f| f == 1))
+            .map(|r| r.map(|f| f >= 1))
             .collect::<Result<_, _>>()
             .map_err(map_err)?;
         let completed: Vec<&RedisLease> = done

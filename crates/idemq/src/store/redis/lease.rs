@@ -21,6 +21,8 @@ pub struct RedisLease {
     pub(super) token: String,
     pub(super) fencing: u64,
     pub(super) first_seen_ms: i64,
+    /// The lease's length.
+    pub(super) lease: Duration,
     pub(super) lost: Arc<AtomicBool>,
     pub(super) heartbeat: Option<tokio::task::JoinHandle<()>>,
     pub(super) release_on_drop: Option<DropRelease>,
@@ -32,6 +34,8 @@ pub(super) struct DropRelease {
     pub(super) scripts: Arc<Scripts>,
     pub(super) rec: String,
     pub(super) token: String,
+    /// The TTL of the free record left behind.
+    pub(super) ttl_ms: u64,
 }
 
 impl std::fmt::Debug for DropRelease {
@@ -57,11 +61,13 @@ impl DropRelease {
                 scripts,
                 rec,
                 token,
+                ttl_ms,
             } = self;
             let r: Result<i64, RedisError> = scripts
                 .release
                 .key(&rec)
                 .arg(&token)
+                .arg(ttl_ms)
                 .invoke_async(&mut conn)
                 .await;
             if let Err(e) = r {
@@ -127,9 +133,11 @@ impl Drop for RedisLease {
 }
 
 impl RedisStore {
+    /// Extends the lease of `token` on the record `rec` (of `key`) every
+    /// `lease / 3` until aborted, or marks it `lost`.
     pub(super) fn start_heartbeat(
         &self,
-        consumer: &str,
+        rec: &str,
         key: &str,
         token: &str,
         lease: Duration,
@@ -137,11 +145,12 @@ impl RedisStore {
     ) -> tokio::task::JoinHandle<()> {
         let mut conn = self.conn();
         let scripts = Arc::clone(&self.scripts);
-        let rec = self.keys.scoped(consumer, key, "rec");
+        let rec = rec.to_owned();
         let token = token.to_owned();
         let key = key.to_owned();
         let every = (lease / 3).max(Duration::from_millis(1));
         let lease_ms = millis(lease);
+        let ttl_ms = self.record_ttl(lease);
         tokio::spawn(async move {
             let mut last_ok = Instant::now();
             loop {
@@ -151,6 +160,7 @@ impl RedisStore {
                     .key(&rec)
                     .arg(&token)
                     .arg(lease_ms)
+                    .arg(ttl_ms)
                     .invoke_async(&mut conn)
                     .await;
                 match r {

@@ -7,31 +7,44 @@
 //! *lease* store like [`memory`](super::memory), but shared by every process
 //! that points at the same Redis:
 //!
-//! - **claim** runs one Lua script on the key's record: a `done` record
-//!   answers [`Claim::Done`]; a live `in-flight:<token>` record answers
-//!   [`Claim::InFlight`]; otherwise the script does
-//!   `SET rec in-flight:<token> NX PX <lease>` with a fresh random token,
-//!   `HINCRBY`s the key's fencing counter and answers [`Claim::New`] with a
-//!   [`RedisLease`] carrying that number ([`RedisLease::fencing_token`]).
-//!   The number rises with every acquisition of the key, so a downstream
+//! Everything the exactly-once decision needs about a key lives in **one
+//! record** (`P:{C/K}:rec`), so the common path — a new key claimed, then
+//! completed — is one short script per step touching one key (`GET`,
+//! `TIME`, `SET`; then `GET`, `SET`), and a batch's claims and completions
+//! are one script each for the whole batch. The protocol is the record
+//! lease checked exhaustively by `crates/idemq-model`
+//! (`StoreKind::LeaseRecord`, see `docs/proofs.md`):
+//!
+//! - **claim**: a `done:` record answers [`Claim::Done`]; a lease whose
+//!   deadline (judged by the Redis server's clock, `TIME`) has not passed
+//!   answers [`Claim::InFlight`]; otherwise — no record, a free one, or a
+//!   lease past its deadline, which is taken over — the script writes
+//!   `in-flight:<token>:<fence>:<deadline>:<first seen>` and answers
+//!   [`Claim::New`] with a [`RedisLease`] carrying the fencing number
+//!   ([`RedisLease::fencing_token`]): the record's last number + 1, and at
+//!   least the server's clock in milliseconds (so it still rises if the
+//!   record was lost or pruned). The record's own TTL is the retention plus
+//!   one lease, so the counter outlives expiries and releases. A downstream
 //!   system that remembers the highest number it has seen for a key can
 //!   refuse a write from a stale holder.
-//! - While the handler runs, a **heartbeat** task extends the lease every
-//!   `lease / 3` by compare-on-token (`PEXPIRE` only if the record still holds
-//!   this token). It stops when the lease is committed, rolled back or
-//!   dropped. A lease dropped while held (its task was aborted mid-handler)
-//!   is released at once by compare-and-delete, like a rollback; a worker
-//!   that dies outright leaves it to expire after at most one lease, and
-//!   another worker takes over. If the heartbeat finds the
-//!   record taken by another token, or cannot reach Redis for a whole lease,
-//!   it records that: [`RedisLease::lease_lost`].
-//! - **commit** is a compare-and-set (Lua) from this token's in-flight record
-//!   to `done:{json}` holding the fingerprint, the optional result, the
+//! - While the handler runs, a **heartbeat** task moves the deadline every
+//!   `lease / 3`, compare-on-token. A lease past its deadline that nobody
+//!   has taken over is still its holder's: the heartbeat renews it and the
+//!   completion succeeds. It stops when the lease is committed, rolled back
+//!   or dropped. A lease dropped while held (its task was aborted
+//!   mid-handler) is released at once, like a rollback; a worker that dies
+//!   outright leaves it until its deadline, and then another worker takes
+//!   over. If the heartbeat finds the record taken by another token, or
+//!   cannot reach Redis for a whole lease, it records that:
+//!   [`RedisLease::lease_lost`].
+//! - **commit** is a compare-and-set (Lua) from this token's lease to
+//!   `done:{json}` holding the fingerprint, the optional result, the
 //!   first-seen time and the completion time, with the retention TTL (`PX`);
 //!   it also clears the key's failed attempts. If the token no longer holds
 //!   the key, it is refused with [`StoreErrorKind::LeaseLost`](crate::StoreErrorKind::LeaseLost).
-//! - **rollback** is a compare-and-delete of this token's record, so the
-//!   redelivery can claim the key at once.
+//! - **rollback** turns this token's lease into `free:<fence>:<first seen>`
+//!   (compare on the token), so the redelivery can claim the key at once,
+//!   with a higher fencing number.
 //! - A waiting claimer (e.g. an engine policy that waits for an in-flight key
 //!   instead of rejecting it) simply calls [`Store::claim`] again until it
 //!   answers [`Claim::Done`] or [`Claim::New`]: a claim that finds a live
@@ -58,11 +71,10 @@
 //!
 //! | key                     | type   | what                                            |
 //! |-------------------------|--------|-------------------------------------------------|
-//! | `P:{C/K}:rec`           | string | `in-flight:<token>` (PX lease) or `done:{json}` (PX retention) |
-//! | `P:{C/K}:fence`         | hash   | `n` (fencing counter), `first_seen` while not done (PX retention) |
+//! | `P:{C/K}:rec`           | string | `in-flight:<token>:<fence>:<deadline ms>:<first seen ms>` or `free:<fence>:<first seen ms>` (PX retention + lease), `done:{json}` (PX retention) |
 //! | `P:{C/K}:att`           | hash   | failed attempts, last error, first/last failure (PX retention) |
 //! | `P:{C/K}:fx`            | hash   | the effect journal: step → result JSON, first write wins (PX retention, renewed on each write) |
-//! | `P:{c:C}:done`          | zset   | the consumer's done keys by first-seen time (for stats and prune; PX retention, trimmed past it on every commit) |
+//! | `P:{c:C}:done`          | zset   | the consumer's done keys by first-seen time (for stats and prune; PX retention, renewed and trimmed past it about once a second per consumer and process) |
 //! | `P:{c:C}:failing`       | set    | the consumer's keys with counted failures (PX retention) |
 //! | `P:consumers`           | set    | consumer names seen (no TTL, one member per consumer) |
 //! | `P:{dlq}:seq`           | string | dead-letter id counter (`INCR`)                 |

@@ -1,9 +1,10 @@
 //! The lease store itself ([`RedisStore`]): connecting, and the [`Store`]
 //! side: claim, commit, rollback, failures and dead letters.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use redis::{Cmd, RedisError};
@@ -23,6 +24,38 @@ pub struct RedisStore {
     pub(super) keys: Keys,
     pub(super) options: RedisOptions,
     pub(super) scripts: Arc<Scripts>,
+    pub(super) tokens: Arc<Tokens>,
+    /// When each consumer's done index was last renewed and trimmed.
+    maintained: Arc<Mutex<HashMap<String, Instant>>>,
+}
+
+/// How often a consumer's done index is renewed and trimmed (and the
+/// consumer listed in the set of consumers), at most.
+const INDEX_MAINTENANCE_EVERY: Duration = Duration::from_secs(1);
+
+/// Lease tokens: a random base per store and a counter, unique across
+/// processes without drawing a random number per claim.
+#[derive(Debug)]
+pub(super) struct Tokens {
+    base: String,
+    next: AtomicU64,
+}
+
+impl Tokens {
+    fn new() -> Self {
+        let mut base = uuid::Uuid::new_v4().simple().to_string();
+        base.truncate(16);
+        Self {
+            base,
+            next: AtomicU64::new(0),
+        }
+    }
+
+    /// A token no other claim of any process holds (no `:` in it).
+    pub(super) fn next(&self) -> String {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        format!("{}{n:x}", self.base)
+    }
 }
 
 impl RedisStore {
@@ -59,7 +92,33 @@ impl RedisStore {
             keys: Keys::new(&options.prefix),
             options,
             scripts: Arc::new(Scripts::new()),
+            tokens: Arc::new(Tokens::new()),
+            maintained: Arc::default(),
         }
+    }
+
+    /// Whether `consumer`'s done index is due for its TTL renewal and
+    /// trimming (about once a second per consumer); marks it done if so.
+    pub(super) fn index_maintenance_due(&self, consumer: &str) -> bool {
+        let mut maintained = self.maintained.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        match maintained.get_mut(consumer) {
+            Some(last) if now.duration_since(*last) < INDEX_MAINTENANCE_EVERY => false,
+            Some(last) => {
+                *last = now;
+                true
+            }
+            None => {
+                maintained.insert(consumer.to_owned(), now);
+                true
+            }
+        }
+    }
+
+    /// The TTL of a key's record while it is not done: the retention plus
+    /// one lease, so the fencing counter outlives expiries and releases.
+    pub(super) fn record_ttl(&self, lease: Duration) -> u64 {
+        millis(self.options.retention + lease)
     }
 
     /// The connection (to share it).
@@ -106,15 +165,18 @@ impl RedisStore {
             zadd.arg(*first_seen_ms).arg(*key);
         }
         zadd.ignore();
-        pipe.cmd("PEXPIRE")
-            .arg(&done_index)
-            .arg(millis(retention))
-            .ignore();
-        pipe.cmd("ZREMRANGEBYSCORE")
-            .arg(&done_index)
-            .arg("-inf")
-            .arg(format!("({}", self.retention_horizon()))
-            .ignore();
+        let maintain = self.index_maintenance_due(consumer);
+        if maintain {
+            pipe.cmd("PEXPIRE")
+                .arg(&done_index)
+                .arg(millis(retention))
+                .ignore();
+            pipe.cmd("ZREMRANGEBYSCORE")
+                .arg(&done_index)
+                .arg("-inf")
+                .arg(format!("({}", self.retention_horizon()))
+                .ignore();
+        }
         let srem = pipe
             .cmd("SREM")
             .arg(self.keys.consumer(consumer, "failing"));
@@ -122,7 +184,9 @@ impl RedisStore {
             srem.arg(*key);
         }
         srem.ignore();
-        if !self.conn.is_single() {
+        if !maintain {
+            self.index("done", &pipe).await;
+        } else if !self.conn.is_single() {
             futures_util::future::join(self.index("done", &pipe), self.add_consumer(consumer))
                 .await;
         } else {
@@ -193,16 +257,15 @@ impl Store for RedisStore {
     type Tx = RedisLease;
 
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim<RedisLease>, StoreError> {
-        let token = uuid::Uuid::new_v4().simple().to_string();
+        let token = self.tokens.next();
+        let rec = self.keys.scoped(req.consumer, req.key, "rec");
         let reply: Vec<String> = self
             .scripts
             .claim
-            .key(self.keys.scoped(req.consumer, req.key, "rec"))
-            .key(self.keys.scoped(req.consumer, req.key, "fence"))
+            .key(&rec)
             .arg(&token)
             .arg(millis(req.lease))
-            .arg(now_ms())
-            .arg(millis(self.options.retention + req.lease))
+            .arg(self.record_ttl(req.lease))
             .invoke_async(&mut self.conn())
             .await
             .map_err(map_err)?;
@@ -222,19 +285,21 @@ impl Store for RedisStore {
                     .unwrap_or_else(now_ms);
                 let lost = Arc::new(AtomicBool::new(false));
                 let heartbeat =
-                    self.start_heartbeat(req.consumer, req.key, &token, req.lease, lost.clone());
+                    self.start_heartbeat(&rec, req.key, &token, req.lease, lost.clone());
                 let lease = RedisLease {
                     consumer: req.consumer.to_owned(),
                     key: req.key.to_owned(),
                     fencing,
                     first_seen_ms,
+                    lease: req.lease,
                     lost,
                     heartbeat: Some(heartbeat),
                     release_on_drop: Some(DropRelease {
                         conn: self.conn(),
                         scripts: Arc::clone(&self.scripts),
-                        rec: self.keys.scoped(req.consumer, req.key, "rec"),
+                        rec,
                         token: token.clone(),
+                        ttl_ms: self.record_ttl(req.lease),
                     }),
                     token,
                 };
@@ -265,7 +330,6 @@ impl Store for RedisStore {
         let invocation = if single {
             let mut inv = self.scripts.complete_indexed.prepare_invoke();
             inv.key(self.keys.scoped(c, k, "rec"))
-                .key(self.keys.scoped(c, k, "fence"))
                 .key(self.keys.scoped(c, k, "att"))
                 .key(self.keys.consumer(c, "done"))
                 .key(self.keys.consumer(c, "failing"))
@@ -276,12 +340,12 @@ impl Store for RedisStore {
                 .arg(lease.first_seen_ms)
                 .arg(k)
                 .arg(self.retention_horizon())
-                .arg(c);
+                .arg(c)
+                .arg(u8::from(self.index_maintenance_due(c)));
             inv
         } else {
             let mut inv = self.scripts.complete.prepare_invoke();
             inv.key(self.keys.scoped(c, k, "rec"))
-                .key(self.keys.scoped(c, k, "fence"))
                 .key(self.keys.scoped(c, k, "att"))
                 .arg(&lease.token)
                 .arg(&value)
@@ -292,7 +356,7 @@ impl Store for RedisStore {
             .invoke_async(&mut self.conn())
             .await
             .map_err(map_err)?;
-        if done != 1 {
+        if done == 0 {
             lease.lost.store(true, Ordering::SeqCst);
             return Err(StoreError::lease_lost(&lease.key));
         }
@@ -311,6 +375,7 @@ impl Store for RedisStore {
             .release
             .key(self.keys.scoped(&lease.consumer, &lease.key, "rec"))
             .arg(&lease.token)
+            .arg(self.record_ttl(lease.lease))
             .invoke_async(&mut self.conn())
             .await
             .map_err(map_err)?;
