@@ -294,7 +294,7 @@ async fn create_order<Tx: Effect>(
         tx.fencing()
     };
     if header("x-crash").is_some() {
-        println!("WORKED {}", info.stored_key);
+        println!("WORKED {} {}", info.stored_key, fencing.unwrap_or(0));
         std::io::stdout().flush().ok();
         tokio::time::sleep(Duration::from_secs(120)).await;
     }
@@ -986,12 +986,13 @@ impl ChildServer {
         ChildServer { child, lines, addr }
     }
 
-    /// Blocks until the child printed `WORKED <key>`.
-    fn wait_worked(&mut self) -> String {
+    /// Blocks until the child printed `WORKED <key> <fencing>`; returns both.
+    fn wait_worked(&mut self) -> (String, u64) {
         loop {
             let line = self.lines.next().expect("the child server exited").unwrap();
-            if let Some(key) = line.split("WORKED ").nth(1) {
-                return key.to_owned();
+            if let Some(worked) = line.split("WORKED ").nth(1) {
+                let (key, fencing) = worked.rsplit_once(' ').unwrap();
+                return (key.to_owned(), fencing.parse().unwrap());
             }
         }
     }
@@ -999,6 +1000,14 @@ impl ChildServer {
     fn kill(mut self) {
         self.child.kill().unwrap(); // SIGKILL
         self.child.wait().unwrap();
+    }
+}
+
+impl Drop for ChildServer {
+    /// A failed assertion must not leave the child server running.
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -1035,7 +1044,8 @@ fn crash_between_work_and_stored_response(test: &str, kind: Kind) {
             .await
         })
     };
-    assert_eq!(server.wait_worked(), stored_key);
+    let (worked, dead_fencing) = server.wait_worked();
+    assert_eq!(worked, stored_key);
     let killed_at = Instant::now();
     server.kill();
     assert!(
@@ -1084,10 +1094,10 @@ fn crash_between_work_and_stored_response(test: &str, kind: Kind) {
                 );
                 assert_eq!(a.status, StatusCode::CREATED);
                 assert!(!a.replayed());
-                assert_eq!(
-                    a.json()["fencing"],
-                    2,
-                    "a new acquisition, fenced above the dead one"
+                let fencing = a.json()["fencing"].as_u64().unwrap();
+                assert!(
+                    fencing > dead_fencing && dead_fencing > 0,
+                    "a new acquisition, fenced above the dead one: {fencing} > {dead_fencing}"
                 );
                 assert_eq!(
                     effects(&target, &stored_key).await,
