@@ -103,7 +103,7 @@ local done = 0
 for i = 1, n do
   local k = 3 + 2 * (i - 1)
   local a = 6 + 4 * (i - 1)
-  if held(redis.call('GET', KEYS[k + 1]), ARGV[a + 1]) then
+  if holds(redis.call('GET', KEYS[k + 1]), ARGV[a + 1]) then
     redis.call('SET', KEYS[k + 1], ARGV[a + 2], 'PX', ARGV[1])
     if redis.call('DEL', KEYS[k + 2]) == 1 then
       redis.call('SREM', KEYS[2], ARGV[a + 4])
