@@ -658,8 +658,8 @@ impl InboxModel {
 
     /// A new lease on key `k` for worker `i`: a fresh token, and the next
     /// fencing number (global for [`StoreKind::Lease`], the record's counter
-    /// + 1 for [`StoreKind::LeaseRecord`], which takes an expired lease over).
-    /// `blind` is the check-then-insert flaw's unconditional overwrite,
+    /// plus 1 for [`StoreKind::LeaseRecord`], which takes an expired lease
+    /// over). `blind` is the check-then-insert flaw's unconditional overwrite,
     /// which counts no loss for a live holder it overwrites.
     fn acquire(&self, s: &mut State, i: usize, k: usize, blind: bool) {
         s.next_token += 1;
