@@ -121,13 +121,17 @@ impl Source for QueueSource {
             let wait = {
                 let mut state = shared.state();
                 let now = Instant::now();
-                let mut i = 0;
-                while i < state.delayed.len() {
-                    if state.delayed[i].0 <= now {
-                        let (_, m, count, offset) = state.delayed.swap_remove(i);
+                if state.delayed.iter().any(|(at, ..)| *at <= now) {
+                    // Due deliveries come back in the order they fell due
+                    // (nack order for equal delays): a later copy of a key
+                    // must not come back before an earlier one.
+                    let (mut due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut state.delayed)
+                        .into_iter()
+                        .partition(|(at, ..)| *at <= now);
+                    state.delayed = later;
+                    due.sort_by_key(|(at, ..)| *at);
+                    for (_, m, count, offset) in due {
                         state.ready.push_back((m, count, offset));
-                    } else {
-                        i += 1;
                     }
                 }
                 if let Some((message, count, offset)) = state.ready.pop_front() {
@@ -202,5 +206,38 @@ impl Drop for QueueAcker {
     /// An unsettled delivery is redelivered, as a broker does when a consumer dies.
     fn drop(&mut self) {
         self.settle(Some(Duration::ZERO));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::MemoryQueue;
+    use crate::message::Message;
+    use crate::source::Source;
+
+    #[tokio::test]
+    async fn nacked_deliveries_come_back_in_the_order_they_fell_due() {
+        let queue = MemoryQueue::new("q");
+        for name in ["a", "b", "c", "d"] {
+            queue.push(Message::new(name));
+        }
+        let mut source = queue.source();
+        for _ in 0..4 {
+            let delivery = source.next().await.unwrap().unwrap();
+            let (_, _, _, acker) = delivery.into_parts();
+            acker.nack(Duration::from_millis(20)).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        let mut order = Vec::new();
+        for _ in 0..4 {
+            let delivery = source.next().await.unwrap().unwrap();
+            assert_eq!(delivery.meta.delivery_count, 2);
+            order.push(String::from_utf8(delivery.message.payload.clone()).unwrap());
+            let (_, _, _, acker) = delivery.into_parts();
+            acker.ack().await.unwrap();
+        }
+        assert_eq!(order, ["a", "b", "c", "d"]);
     }
 }
