@@ -360,11 +360,17 @@ impl Source for JsonLinesSource {
             let due = {
                 let mut state = shared.state();
                 let now = Instant::now();
+                // The earliest due first (the first nacked among equals), and
+                // the rest kept in order: a later copy of a key must not come
+                // back before an earlier one.
                 state
                     .delayed
                     .iter()
-                    .position(|(at, _)| *at <= now)
-                    .map(|i| state.delayed.swap_remove(i).1)
+                    .enumerate()
+                    .filter(|(_, (at, _))| *at <= now)
+                    .min_by_key(|(_, (at, _))| *at)
+                    .map(|(i, _)| i)
+                    .map(|i| state.delayed.remove(i).1)
             };
             if let Some(line) = due {
                 return Ok(Some(self.deliver(line)));
@@ -516,6 +522,32 @@ fn parse_line(bytes: &[u8]) -> Result<Message, String> {
 mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
+
+    #[tokio::test]
+    async fn nacked_lines_come_back_in_the_order_they_fell_due() {
+        let input = "{\"id\":\"a\",\"payload\":1}\n{\"id\":\"b\",\"payload\":2}\n\
+                     {\"id\":\"c\",\"payload\":3}\n{\"id\":\"d\",\"payload\":4}\n";
+        let mut source = JsonLinesSource::from_reader(
+            BufReader::new(std::io::Cursor::new(input.as_bytes().to_vec())),
+            "mem",
+        );
+        for _ in 0..4 {
+            let d = source.next().await.unwrap().expect("a delivery");
+            d.into_parts()
+                .3
+                .nack(std::time::Duration::from_millis(20))
+                .await
+                .unwrap();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(40)).await;
+        let mut order = Vec::new();
+        for _ in 0..4 {
+            let d = source.next().await.unwrap().expect("a redelivery");
+            order.push(d.message.id.clone().unwrap_or_default());
+            d.into_parts().3.ack().await.unwrap();
+        }
+        assert_eq!(order, ["a", "b", "c", "d"]);
+    }
 
     /// A line longer than the limit is read past without being kept whole:
     /// it comes with its first `max` bytes and the defect `TooLarge`, and
