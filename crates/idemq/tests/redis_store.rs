@@ -253,7 +253,7 @@ async fn a_dead_consumer_loses_its_lease_and_another_applies_once() {
     // vanishes and nothing is released. Its lease expires after `lease`.
     let url = redis_url();
     let p = prefix.clone();
-    let dead_fence = std::thread::spawn(move || {
+    let (dead_fence, claimed_at) = std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -263,9 +263,10 @@ async fn a_dead_consumer_loses_its_lease_and_another_applies_once() {
             let Claim::New(held) = store.claim(&req("crash", lease)).await.unwrap() else {
                 panic!("first claim must be new")
             };
+            let claimed_at = Instant::now();
             let fence = held.fencing_token();
             std::mem::forget(held); // no drop, no release: the process is gone
-            fence
+            (fence, claimed_at)
         });
         drop(rt);
         fence
@@ -284,6 +285,11 @@ async fn a_dead_consumer_loses_its_lease_and_another_applies_once() {
             "lease never expired"
         );
     };
+    assert!(
+        claimed_at.elapsed() >= lease - Duration::from_millis(20),
+        "not taken over before the dead holder's lease ended: {:?}",
+        claimed_at.elapsed()
+    );
     assert!(takeover.fencing_token() > dead_fence);
     store
         .commit(takeover, &req("crash", lease), None)

@@ -122,12 +122,14 @@ impl StoreAdmin for RedisStore {
     }
 
     async fn inspect(&self, consumer: &str, key: &str) -> Result<KeyReport, StoreError> {
-        let rec: Option<String> = self
-            .query(redis::cmd("GET").arg(self.keys.scoped(consumer, key, "rec")))
-            .await?;
+        let rec_key = self.keys.scoped(consumer, key, "rec");
+        let mut pipe = redis::pipe();
+        pipe.cmd("GET").arg(&rec_key).cmd("PTTL").arg(&rec_key);
+        let (rec, pttl): (Option<String>, i64) =
+            pipe.query_async(&mut self.conn()).await.map_err(map_err)?;
         let (inbox, in_flight) = match rec.as_deref() {
             Some(v) if v.starts_with("done:") => (parse_done(consumer, key, &v[5..]), false),
-            Some(v) => (None, lease_live(v, now_ms())),
+            Some(v) => (None, lease_live(v, now_ms(), pttl)),
             None => (None, false),
         };
         let att: HashMap<String, String> = self
@@ -260,19 +262,31 @@ impl StoreAdmin for RedisStore {
     }
 }
 
-/// Whether the record `v` is a lease whose deadline (by this machine's
-/// clock) has not passed: `in-flight:<token>:<fence>:<deadline>:<first
-/// seen>`; a record of the previous layout (`in-flight:<token>`, expiring
-/// with its lease) is live while it exists. A free record is not.
-fn lease_live(v: &str, now_ms: i64) -> bool {
+/// Whether the record `v` (whose remaining TTL is `pttl_ms`) is a lease
+/// whose deadline has not passed: `in-flight:<token>:<fence>:<deadline>:<first
+/// seen>` with the deadline in ms (judged by this machine's clock), or
+/// `~<lease ms>/<TTL ms>`, a lease of `<lease ms>` from when the record was
+/// written with that TTL. A record of the previous layout
+/// (`in-flight:<token>`, expiring with its lease) is live while it exists.
+/// A free record is not.
+fn lease_live(v: &str, now_ms: i64, pttl_ms: i64) -> bool {
     let Some(rest) = v.strip_prefix("in-flight:") else {
         return false;
     };
     let fields: Vec<&str> = rest.split(':').collect();
-    match fields.as_slice() {
-        [_, _, deadline, _] => deadline.parse::<i64>().map_or(true, |d| d > now_ms),
-        _ => true,
+    let [_, _, deadline, _] = fields.as_slice() else {
+        return true;
+    };
+    if let Some(relative) = deadline.strip_prefix('~') {
+        let Some((lease, ttl)) = relative.split_once('/') else {
+            return true;
+        };
+        return match (lease.parse::<i64>(), ttl.parse::<i64>()) {
+            (Ok(lease), Ok(ttl)) => ttl - pttl_ms < lease,
+            _ => true,
+        };
     }
+    deadline.parse::<i64>().map_or(true, |d| d > now_ms)
 }
 
 #[cfg(test)]
@@ -281,10 +295,21 @@ mod tests {
 
     #[test]
     fn a_lease_is_live_until_its_deadline() {
-        assert!(lease_live("in-flight:ab1:1700000000000:2000:1000", 1999));
-        assert!(!lease_live("in-flight:ab1:1700000000000:2000:1000", 2000));
-        assert!(lease_live("in-flight:0123abcd", 5_000));
-        assert!(!lease_live("free:17:1000", 0));
-        assert!(!lease_live("done:{}", 0));
+        assert!(lease_live("in-flight:ab1:1700000000000:2000:1000", 1999, 9));
+        assert!(!lease_live(
+            "in-flight:ab1:1700000000000:2000:1000",
+            2000,
+            9
+        ));
+        // Written with a 100 000 ms TTL and a 30 000 ms lease.
+        let relative = "in-flight:ab1:1700000000000:~30000/100000:1000";
+        assert!(lease_live(relative, 0, 70_001), "29 999 ms after the write");
+        assert!(
+            !lease_live(relative, 0, 70_000),
+            "30 000 ms after the write"
+        );
+        assert!(lease_live("in-flight:0123abcd", 5_000, 9));
+        assert!(!lease_live("free:17:1000", 0, 9));
+        assert!(!lease_live("done:{}", 0, 9));
     }
 }

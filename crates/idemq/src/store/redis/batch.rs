@@ -430,20 +430,13 @@ impl RedisStore {
             .iter()
             .map(|(key, _)| self.keys.scoped(consumer, key, "rec"))
             .collect();
+        let mut tokens: Vec<String> = (1..=recs.len()).map(|n| format!("{prefix}{n}")).collect();
         let replies: Vec<Vec<String>> = if self.conn.is_single() {
-            let mut invocation = batch_scripts().claim.prepare_invoke();
-            invocation.arg(&prefix).arg(lease_ms).arg(ttl_ms);
-            for rec in &recs {
-                invocation.key(rec);
-            }
-            invocation
-                .invoke_async(&mut self.conn())
-                .await
-                .map_err(map_err)?
+            self.claim_batch_single(&recs, &mut tokens, lease_ms, ttl_ms)
+                .await?
         } else {
-            let calls = recs.iter().enumerate().map(|(i, rec)| {
+            let calls = recs.iter().zip(&tokens).map(|(rec, token)| {
                 let mut conn = self.conn();
-                let token = format!("{prefix}{}", i + 1);
                 async move {
                     let r: Result<Vec<String>, RedisError> = self
                         .scripts
@@ -475,7 +468,9 @@ impl RedisStore {
         }
         let mut answers = Vec::with_capacity(claims.len());
         let mut held = Vec::new();
-        for (i, (((key, _), rec), reply)) in claims.iter().zip(recs).zip(replies).enumerate() {
+        for (((key, _), rec), (reply, token)) in
+            claims.iter().zip(recs).zip(replies.into_iter().zip(tokens))
+        {
             let answer = match reply.first().map(String::as_str) {
                 Some("done") => {
                     let json = reply.get(1).map(String::as_str).unwrap_or_default();
@@ -486,7 +481,6 @@ impl RedisStore {
                 Some("busy") => Claim::InFlight,
                 Some("new") => {
                     let (fencing, first_seen_ms) = new_lease(&reply);
-                    let token = format!("{prefix}{}", i + 1);
                     let lost = Arc::new(AtomicBool::new(false));
                     held.push(Held {
                         rec,
@@ -528,6 +522,62 @@ impl RedisStore {
             group.start_heartbeat();
         }
         Ok(answers)
+    }
+
+    /// The batch claim on one Redis: every key's plain `SET … NX GET` in
+    /// one pipeline (a key without a record is this batch's at once, a
+    /// `done` one a duplicate), then one claim script for the keys that had
+    /// another record (leases, free records), with tokens of its own
+    /// (written into `tokens`). Answers per key as the claim script does.
+    async fn claim_batch_single(
+        &self,
+        recs: &[String],
+        tokens: &mut [String],
+        lease_ms: u64,
+        ttl_ms: u64,
+    ) -> Result<Vec<Vec<String>>, StoreError> {
+        let mut replies: Vec<Option<Vec<String>>> = vec![None; recs.len()];
+        if self.plain_claims_on() {
+            let now = now_ms();
+            let mut pipe = redis::pipe();
+            for (rec, token) in recs.iter().zip(tokens.iter()) {
+                pipe.add_command(super::store::plain_claim(rec, token, now, lease_ms, ttl_ms));
+            }
+            let previous: Result<Vec<Option<String>>, RedisError> =
+                pipe.query_async(&mut self.conn()).await;
+            match previous {
+                Ok(previous) => {
+                    for (reply, previous) in replies.iter_mut().zip(previous) {
+                        *reply = match previous {
+                            None => Some(vec!["new".into(), now.to_string(), now.to_string()]),
+                            Some(v) => v
+                                .strip_prefix("done:")
+                                .map(|json| vec!["done".into(), json.to_owned()]),
+                        };
+                    }
+                }
+                Err(e) if self.plain_claims_refused(&e) => {}
+                Err(e) => return Err(map_err(e)),
+            }
+        }
+        let rest: Vec<usize> = (0..recs.len()).filter(|&n| replies[n].is_none()).collect();
+        if !rest.is_empty() {
+            let prefix = format!("{}.", self.tokens.next());
+            let mut invocation = batch_scripts().claim.prepare_invoke();
+            invocation.arg(&prefix).arg(lease_ms).arg(ttl_ms);
+            for &n in &rest {
+                invocation.key(&recs[n]);
+            }
+            let answers: Vec<Vec<String>> = invocation
+                .invoke_async(&mut self.conn())
+                .await
+                .map_err(map_err)?;
+            for (j, (&n, answer)) in rest.iter().zip(answers).enumerate() {
+                tokens[n] = format!("{prefix}{}", j + 1);
+                replies[n] = Some(answer);
+            }
+        }
+        Ok(replies.into_iter().map(Option::unwrap_or_default).collect())
     }
 
     /// Stops the group's heartbeat and, in one round trip, completes `done`

@@ -9,9 +9,13 @@
 //!
 //! Everything the exactly-once decision needs about a key lives in **one
 //! record** (`P:{C/K}:rec`), so the common path — a new key claimed, then
-//! completed — is one short script per step touching one key (`GET`,
-//! `TIME`, `SET`; then `GET`, `SET`), and a batch's claims and completions
-//! are one script each for the whole batch. The protocol is the record
+//! completed — is one plain command and one short script on one key: the
+//! claim of a key without a record is `SET rec in-flight:… NX GET PX` (Redis
+//! 7.0+; it also answers a `done` record as the duplicate), every other
+//! claim one script (`GET`, `TIME`, `SET`), the completion one script
+//! (`GET`, `SET`); a batch's claims are one pipeline of those `SET`s (plus
+//! one script for the keys that had another record) and its completions one
+//! script. The protocol is the record
 //! lease checked exhaustively by `crates/idemq-model`
 //! (`StoreKind::LeaseRecord`, see `docs/proofs.md`):
 //!
@@ -19,11 +23,14 @@
 //!   deadline (judged by the Redis server's clock, `TIME`) has not passed
 //!   answers [`Claim::InFlight`]; otherwise — no record, a free one, or a
 //!   lease past its deadline, which is taken over — the script writes
-//!   `in-flight:<token>:<fence>:<deadline>:<first seen>` and answers
+//!   `in-flight:<token>:<fence>:<deadline>:<first seen>` (the plain claim
+//!   of a key without a record writes the deadline as `~<lease>/<TTL>`,
+//!   "a lease from this write", which the scripts read with `PTTL`) and answers
 //!   [`Claim::New`] with a [`RedisLease`] carrying the fencing number
 //!   ([`RedisLease::fencing_token`]): the record's last number + 1, and at
 //!   least the server's clock in milliseconds (so it still rises if the
-//!   record was lost or pruned). The record's own TTL is the retention plus
+//!   record was lost or pruned); a key without a record (no earlier holder
+//!   to be above) gets the claiming client's clock in milliseconds. The record's own TTL is the retention plus
 //!   one lease, so the counter outlives expiries and releases. A downstream
 //!   system that remembers the highest number it has seen for a key can
 //!   refuse a write from a stale holder.

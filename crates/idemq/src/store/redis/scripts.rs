@@ -15,8 +15,13 @@ macro_rules! lua_now {
 pub(super) use lua_now;
 
 /// Lua helpers shared by the record scripts: the record of a lease is
-/// `in-flight:<token>:<fence>:<deadline ms>:<first seen ms>`, a released key
-/// `free:<fence>:<first seen ms>`, a completed one `done:<json>`. `num`
+/// `in-flight:<token>:<fence>:<deadline>:<first seen ms>`, a released key
+/// `free:<fence>:<first seen ms>`, a completed one `done:<json>`. The
+/// deadline is the server's clock in ms, or `~<lease ms>/<TTL ms>` when the
+/// claim was the plain `SET … NX GET PX <TTL>` of a key without a record
+/// (the client does not know the server's clock): the lease then ends
+/// `<lease ms>` after that write, which the record's remaining TTL tells
+/// (`PTTL`), again by the server's clock. `num`
 /// prints a number without Lua's exponent notation (`%d`: Redis's Lua
 /// formats it as a 64-bit integer, cheaper than `%.0f`); `holds` is the
 /// completion's compare on the token, `held` also parses the lease.
@@ -33,8 +38,15 @@ local function held(v, token)
   if not v then return nil end
   local p = 'in-flight:' .. token .. ':'
   if string.sub(v, 1, #p) ~= p then return nil end
-  local f, d, fs = string.match(string.sub(v, #p + 1), '^(%d+):(%d+):(%d+)$')
+  local f, d, fs = string.match(string.sub(v, #p + 1), '^(%d+):([^:]+):(%d+)$')
   return f, d, fs
+end
+local function deadline(rec, d, now)
+  if string.sub(d, 1, 1) ~= '~' then return tonumber(d) or 0 end
+  local lease, ttl = string.match(d, '^~(%d+)/(%d+)$')
+  local left = redis.call('PTTL', rec)
+  if not lease or left < 0 then return 0 end
+  return now - (tonumber(ttl) - left) + tonumber(lease)
 end
 local function claim(rec, v, token, now, lease, ttl)
   local fence, first = 0, now
@@ -42,8 +54,8 @@ local function claim(rec, v, token, now, lease, ttl)
     local kind = string.sub(v, 1, 5)
     if kind == 'done:' then return {'done', string.sub(v, 6)} end
     if kind == 'in-fl' then
-      local f, d, fs = string.match(v, '^in%-flight:[^:]*:(%d+):(%d+):(%d+)$')
-      if not f or tonumber(d) > now then return {'busy'} end
+      local f, d, fs = string.match(v, '^in%-flight:[^:]*:(%d+):([^:]+):(%d+)$')
+      if not f or deadline(rec, d, now) > now then return {'busy'} end
       fence, first = tonumber(f), tonumber(fs)
     elseif kind == 'free:' then
       local f, fs = string.match(v, '^free:(%d+):(%d+)$')
@@ -181,7 +193,7 @@ return 1
 const FORCE_RELEASE: &str = r#"
 local v = redis.call('GET', KEYS[1])
 if not v or string.sub(v, 1, 10) ~= 'in-flight:' then return 0 end
-local f, d, fs = string.match(v, '^in%-flight:[^:]*:(%d+):(%d+):(%d+)$')
+local f, d, fs = string.match(v, '^in%-flight:[^:]*:(%d+):([^:]+):(%d+)$')
 if f then
   redis.call('SET', KEYS[1], 'free:' .. f .. ':' .. fs, 'PX', ARGV[1])
 else

@@ -27,6 +27,9 @@ pub struct RedisStore {
     pub(super) tokens: Arc<Tokens>,
     /// When each consumer's done index was last renewed and trimmed.
     maintained: Arc<Mutex<HashMap<String, Instant>>>,
+    /// Whether claims try the plain `SET … NX GET` first (off on a Redis
+    /// before 7.0).
+    plain_claims: Arc<AtomicBool>,
 }
 
 /// How often a consumer's done index is renewed and trimmed (and the
@@ -94,6 +97,7 @@ impl RedisStore {
             scripts: Arc::new(Scripts::new()),
             tokens: Arc::new(Tokens::new()),
             maintained: Arc::default(),
+            plain_claims: Arc::new(AtomicBool::new(true)),
         }
     }
 
@@ -252,6 +256,127 @@ impl RedisStore {
     }
 }
 
+/// The plain claim of `rec` for `token` at the client's `now_ms`: `SET rec
+/// in-flight:<token>:<now>:~<lease>/<ttl>:<now> NX GET PX <ttl>` (see
+/// [`RedisStore::claim`]'s plain path and the scripts' record layout).
+pub(super) fn plain_claim(rec: &str, token: &str, now_ms: i64, lease_ms: u64, ttl_ms: u64) -> Cmd {
+    let mut set = redis::cmd("SET");
+    set.arg(rec)
+        .arg(format!(
+            "in-flight:{token}:{now_ms}:~{lease_ms}/{ttl_ms}:{now_ms}"
+        ))
+        .arg("NX")
+        .arg("GET")
+        .arg("PX")
+        .arg(ttl_ms);
+    set
+}
+
+impl RedisStore {
+    /// The claim of a key without a record as one plain command, `SET rec
+    /// in-flight:… NX GET PX <TTL>` (Redis 7.0+): no record → the lease is
+    /// this token's, with a deadline relative to the write (see the
+    /// scripts) and the client's clock in ms as its fencing number (a key
+    /// without a record has no earlier holder to be above); a `done` record
+    /// → the duplicate. `None`: the key has another record (a lease, a
+    /// free one) and the claim script decides. A Redis that refuses the
+    /// command (before 7.0) turns the plain claims off for this store.
+    async fn claim_plain(
+        &self,
+        req: &ClaimRequest<'_>,
+        rec: &str,
+        token: &str,
+    ) -> Result<Option<Claim<RedisLease>>, StoreError> {
+        if !self.plain_claims.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let now = now_ms();
+        let ttl = self.record_ttl(req.lease);
+        let set = plain_claim(rec, token, now, millis(req.lease), ttl);
+        let previous: Option<String> = match set.query_async(&mut self.conn()).await {
+            Ok(previous) => previous,
+            Err(e) if self.plain_claims_refused(&e) => return Ok(None),
+            Err(e) => return Err(map_err(e)),
+        };
+        match previous {
+            None => {
+                let fencing = u64::try_from(now).unwrap_or(0);
+                let lease = self
+                    .new_lease(req, rec.to_owned(), token.to_owned(), fencing, now)
+                    .await?;
+                Ok(Some(lease))
+            }
+            Some(v) => match v.strip_prefix("done:") {
+                Some(json) => self.done_claim(req, json).map(Some),
+                None => Ok(None),
+            },
+        }
+    }
+
+    /// Whether claims try the plain `SET … NX GET` first.
+    pub(super) fn plain_claims_on(&self) -> bool {
+        self.plain_claims.load(Ordering::Relaxed)
+    }
+
+    /// Whether `e` is Redis refusing the plain claim (a server before 7.0:
+    /// `SET` with both `NX` and `GET` is a syntax error there); if so, the
+    /// plain claims are turned off for this store.
+    pub(super) fn plain_claims_refused(&self, e: &RedisError) -> bool {
+        let refused = e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError);
+        if refused {
+            tracing::info!(error = %e, "this Redis refuses SET … NX GET (before 7.0): claims use the script");
+            self.plain_claims.store(false, Ordering::Relaxed);
+        }
+        refused
+    }
+
+    /// The answer to a claim that found the key's `done` record.
+    fn done_claim(
+        &self,
+        req: &ClaimRequest<'_>,
+        json: &str,
+    ) -> Result<Claim<RedisLease>, StoreError> {
+        parse_done(req.consumer, req.key, json)
+            .map(Claim::Done)
+            .ok_or_else(|| StoreError::corrupt(format!("unreadable done record: {json}")))
+    }
+
+    /// A lease just acquired on `rec` with `token`: its heartbeat started,
+    /// released if dropped while held, and (with
+    /// [`RedisOptions::wait_for_replicas`]) acknowledged by the replicas.
+    async fn new_lease(
+        &self,
+        req: &ClaimRequest<'_>,
+        rec: String,
+        token: String,
+        fencing: u64,
+        first_seen_ms: i64,
+    ) -> Result<Claim<RedisLease>, StoreError> {
+        let lost = Arc::new(AtomicBool::new(false));
+        let heartbeat = self.start_heartbeat(&rec, req.key, &token, req.lease, lost.clone());
+        let lease = RedisLease {
+            consumer: req.consumer.to_owned(),
+            key: req.key.to_owned(),
+            fencing,
+            first_seen_ms,
+            lease: req.lease,
+            lost,
+            heartbeat: Some(heartbeat),
+            release_on_drop: Some(DropRelease {
+                conn: self.conn(),
+                scripts: Arc::clone(&self.scripts),
+                rec,
+                token: token.clone(),
+                ttl_ms: self.record_ttl(req.lease),
+            }),
+            token,
+        };
+        // A lease the replicas did not get is released (on drop).
+        self.wait_for_replicas(req.consumer, req.key).await?;
+        Ok(Claim::New(lease))
+    }
+}
+
 #[async_trait]
 impl Store for RedisStore {
     type Tx = RedisLease;
@@ -259,6 +384,9 @@ impl Store for RedisStore {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim<RedisLease>, StoreError> {
         let token = self.tokens.next();
         let rec = self.keys.scoped(req.consumer, req.key, "rec");
+        if let Some(claim) = self.claim_plain(req, &rec, &token).await? {
+            return Ok(claim);
+        }
         let reply: Vec<String> = self
             .scripts
             .claim
@@ -272,9 +400,7 @@ impl Store for RedisStore {
         match reply.first().map(String::as_str) {
             Some("done") => {
                 let json = reply.get(1).map(String::as_str).unwrap_or_default();
-                parse_done(req.consumer, req.key, json)
-                    .map(Claim::Done)
-                    .ok_or_else(|| StoreError::corrupt(format!("unreadable done record: {json}")))
+                self.done_claim(req, json)
             }
             Some("busy") => Ok(Claim::InFlight),
             Some("new") => {
@@ -283,29 +409,8 @@ impl Store for RedisStore {
                     .get(2)
                     .and_then(|n| n.parse().ok())
                     .unwrap_or_else(now_ms);
-                let lost = Arc::new(AtomicBool::new(false));
-                let heartbeat =
-                    self.start_heartbeat(&rec, req.key, &token, req.lease, lost.clone());
-                let lease = RedisLease {
-                    consumer: req.consumer.to_owned(),
-                    key: req.key.to_owned(),
-                    fencing,
-                    first_seen_ms,
-                    lease: req.lease,
-                    lost,
-                    heartbeat: Some(heartbeat),
-                    release_on_drop: Some(DropRelease {
-                        conn: self.conn(),
-                        scripts: Arc::clone(&self.scripts),
-                        rec,
-                        token: token.clone(),
-                        ttl_ms: self.record_ttl(req.lease),
-                    }),
-                    token,
-                };
-                // A lease the replicas did not get is released (on drop).
-                self.wait_for_replicas(req.consumer, req.key).await?;
-                Ok(Claim::New(lease))
+                self.new_lease(req, rec, token, fencing, first_seen_ms)
+                    .await
             }
             _ => Err(StoreError::new(
                 StoreErrorKind::Other,
