@@ -358,6 +358,50 @@ async fn in_flight(store: &RedisStore, key: &str) -> bool {
         .in_flight
 }
 
+/// One heartbeat task serves every lease of a store: leases of two
+/// lengths, held for several of their periods at once, all stay their
+/// holders' (a competing claim sees them in flight throughout), and a lease
+/// whose guard went (committed) stops being extended without touching the
+/// others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_heartbeat_keeps_many_leases_of_different_lengths() {
+    let (store, prefix) = store(&redis_url()).await;
+    let (short, long) = (Duration::from_millis(300), Duration::from_millis(600));
+    let keys: Vec<(String, Duration)> = (0..6)
+        .map(|n| (format!("hb-{n}"), if n % 2 == 0 { short } else { long }))
+        .collect();
+    let mut held = Vec::new();
+    for (key, lease) in &keys {
+        let Claim::New(lease_held) = store.claim(&req(key, *lease)).await.unwrap() else {
+            panic!("{key} is new")
+        };
+        held.push(lease_held);
+    }
+    // The first one completes early; the others are held for 1.5 s (five
+    // short periods, two and a half long ones).
+    let first = held.remove(0);
+    store.commit(first, &req(&keys[0].0, short), None).await.unwrap();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(1_500) {
+        for (key, lease) in &keys[1..] {
+            match store.claim(&req(key, *lease)).await.unwrap() {
+                Claim::InFlight => {}
+                Claim::New(stolen) => {
+                    store.rollback(stolen).await.unwrap();
+                    panic!("{key}'s lease was taken over while held");
+                }
+                Claim::Done(_) => panic!("{key} is not done"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for (lease_held, (key, lease)) in held.into_iter().zip(&keys[1..]) {
+        assert!(!lease_held.lease_lost(), "{key}");
+        store.commit(lease_held, &req(key, *lease), None).await.unwrap();
+    }
+    cleanup(&store, &prefix).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_heartbeat_keeps_a_slow_handler_s_lease() {
     let (store, prefix) = store(&redis_url()).await;

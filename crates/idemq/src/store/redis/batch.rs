@@ -146,12 +146,12 @@ fn batch_scripts() -> &'static BatchScripts {
     })
 }
 
-/// One lease a batch holds: its record key, token and lost flag.
+/// One held lease: its record key, token and lost flag.
 #[derive(Debug, Clone)]
-struct Held {
-    rec: String,
-    token: String,
-    lost: Arc<AtomicBool>,
+pub(super) struct Held {
+    pub(super) rec: String,
+    pub(super) token: String,
+    pub(super) lost: Arc<AtomicBool>,
 }
 
 /// The leases held by one batch of the Redis store (see the module docs):
@@ -181,7 +181,7 @@ fn lock(held: &Mutex<Vec<Held>>) -> MutexGuard<'_, Vec<Held>> {
 }
 
 /// Extends every lease in `held` once; returns per lease whether it still held.
-async fn extend(
+pub(super) async fn extend(
     conn: &mut RedisConnection,
     scripts: &Scripts,
     held: &[Held],

@@ -4,11 +4,12 @@
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use redis::RedisError;
 
-use super::{millis, RedisConnection, RedisStore, Scripts};
+use super::heartbeat::BeatGuard;
+use super::{RedisConnection, RedisStore, Scripts};
 
 /// A held lease on a key: what a handler gets from the Redis store.
 ///
@@ -24,7 +25,7 @@ pub struct RedisLease {
     /// The lease's length.
     pub(super) lease: Duration,
     pub(super) lost: Arc<AtomicBool>,
-    pub(super) heartbeat: Option<tokio::task::JoinHandle<()>>,
+    pub(super) heartbeat: Option<BeatGuard>,
     pub(super) release_on_drop: Option<DropRelease>,
 }
 
@@ -113,9 +114,7 @@ impl RedisLease {
     /// rollback take care of the record themselves).
     pub(super) fn stop_heartbeat(&mut self) {
         self.release_on_drop = None;
-        if let Some(h) = self.heartbeat.take() {
-            h.abort();
-        }
+        self.heartbeat = None;
     }
 }
 
@@ -133,8 +132,9 @@ impl Drop for RedisLease {
 }
 
 impl RedisStore {
-    /// Extends the lease of `token` on the record `rec` (of `key`) every
-    /// `lease / 3` until aborted, or marks it `lost`.
+    /// Registers the lease of `token` on the record `rec` (of `key`) with
+    /// the store's heartbeat, which extends it every `lease / 3` until the
+    /// guard is dropped, or marks it `lost`.
     pub(super) fn start_heartbeat(
         &self,
         rec: &str,
@@ -142,43 +142,14 @@ impl RedisStore {
         token: &str,
         lease: Duration,
         lost: Arc<AtomicBool>,
-    ) -> tokio::task::JoinHandle<()> {
-        let mut conn = self.conn();
-        let scripts = Arc::clone(&self.scripts);
-        let rec = rec.to_owned();
-        let token = token.to_owned();
-        let key = key.to_owned();
-        let every = (lease / 3).max(Duration::from_millis(1));
-        let lease_ms = millis(lease);
-        let ttl_ms = self.record_ttl(lease);
-        tokio::spawn(async move {
-            let mut last_ok = Instant::now();
-            loop {
-                tokio::time::sleep(every).await;
-                let r: Result<i64, RedisError> = scripts
-                    .extend
-                    .key(&rec)
-                    .arg(&token)
-                    .arg(lease_ms)
-                    .arg(ttl_ms)
-                    .invoke_async(&mut conn)
-                    .await;
-                match r {
-                    Ok(1) => last_ok = Instant::now(),
-                    Ok(_) => {
-                        tracing::warn!(key = %key, "lease lost: the key is held by another token");
-                        lost.store(true, Ordering::SeqCst);
-                        return;
-                    }
-                    Err(e) => {
-                        tracing::warn!(key = %key, error = %e, "lease heartbeat failed");
-                        if last_ok.elapsed() >= lease {
-                            lost.store(true, Ordering::SeqCst);
-                            return;
-                        }
-                    }
-                }
-            }
-        })
+    ) -> BeatGuard {
+        self.heartbeats.register(
+            rec.to_owned(),
+            key,
+            token.to_owned(),
+            lease,
+            self.record_ttl(lease),
+            lost,
+        )
     }
 }

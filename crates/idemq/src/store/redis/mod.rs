@@ -144,6 +144,7 @@
 mod admin;
 mod batch;
 mod connection;
+mod heartbeat;
 mod journal;
 mod lease;
 mod options;

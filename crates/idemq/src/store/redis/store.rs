@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use redis::{Cmd, RedisError};
 
+use super::heartbeat::Heartbeats;
 use super::{
     done_value, encode_dead_letter, map_err, millis, parse_done, DropRelease, Keys,
     RedisConnection, RedisLease, RedisOptions, Scripts,
@@ -25,6 +26,8 @@ pub struct RedisStore {
     pub(super) options: RedisOptions,
     pub(super) scripts: Arc<Scripts>,
     pub(super) tokens: Arc<Tokens>,
+    /// The heartbeat of the per-message leases.
+    pub(super) heartbeats: Arc<Heartbeats>,
     /// When each consumer's done index was last renewed and trimmed.
     maintained: Arc<Mutex<HashMap<String, Instant>>>,
     /// Whether claims try the plain `SET … NX GET` first (off on a Redis
@@ -90,11 +93,13 @@ impl RedisStore {
     /// only in that it breaks the Cluster slot layout, so prefer the
     /// `connect*` constructors, which validate it.
     pub fn with_connection(conn: RedisConnection, options: RedisOptions) -> Self {
+        let scripts = Arc::new(Scripts::new());
         Self {
+            heartbeats: Heartbeats::new(conn.clone(), Arc::clone(&scripts)),
             conn,
             keys: Keys::new(&options.prefix),
             options,
-            scripts: Arc::new(Scripts::new()),
+            scripts,
             tokens: Arc::new(Tokens::new()),
             maintained: Arc::default(),
             plain_claims: Arc::new(AtomicBool::new(true)),
