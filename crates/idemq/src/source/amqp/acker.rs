@@ -8,7 +8,7 @@ use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, LongString};
 use lapin::BasicProperties;
 
-use super::channel::publish_confirmed;
+use super::channel::{publish_confirmed, SETTLE_TIMEOUT};
 use super::headers::{
     rewrite_headers, DELIVERIES_HEADER, DELIVERY_COUNT_HEADER, QUEUE_HEADER, REASON_HEADER,
 };
@@ -32,7 +32,14 @@ impl AmqpAcker {
         let Some(Held(acker)) = self.acker.take() else {
             return Ok(());
         };
-        match acker.ack(BasicAckOptions::default()).await {
+        let acked = tokio::time::timeout(SETTLE_TIMEOUT, acker.ack(BasicAckOptions::default()))
+            .await
+            .map_err(|_| {
+                SourceError::broker(format!(
+                    "ack: no answer within {SETTLE_TIMEOUT:?}; the broker redelivers the message"
+                ))
+            })?;
+        match acked {
             Ok(true) => Ok(()),
             Ok(false) => Err(SourceError::broker(
                 "the channel closed before the ack; the broker redelivers the message",

@@ -113,11 +113,16 @@ impl AmqpSource {
     }
 
     /// Closes the connection: every delivery not acked yet goes back to the queue.
+    /// Gives up after `SETTLE_TIMEOUT` (30 s) on a connection that does not
+    /// answer: the broker then requeues what was unacked when it notices.
     pub async fn close(self) -> Result<(), SourceError> {
-        self.connection
-            .close(200, "closing".into())
-            .await
-            .map_err(broker("closing the connection"))
+        tokio::time::timeout(
+            super::channel::SETTLE_TIMEOUT,
+            self.connection.close(200, "closing".into()),
+        )
+        .await
+        .map_err(|_| SourceError::broker("closing the connection: no answer"))?
+        .map_err(broker("closing the connection"))
     }
 
     fn delivery(&self, d: lapin::message::Delivery) -> Delivery {
