@@ -311,7 +311,7 @@ pub async fn redis_rows(cfg: &Config) -> anyhow::Result<(Vec<Row>, (String, Stri
         Row::new(
             section,
             format!(
-                "idemq RedisStore batch mode, batches of {depth}, {batches} in flight (one claim and one completion script per batch; {:.2}× per-message {depth} in flight)",
+                "idemq RedisStore batch mode, batches of {depth}, {batches} in flight (one claim pipeline and one completion script per batch; {:.2}× per-message {depth} in flight)",
                 batch_vs_many
             ),
             many_n,
