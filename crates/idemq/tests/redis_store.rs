@@ -380,7 +380,10 @@ async fn one_heartbeat_keeps_many_leases_of_different_lengths() {
     // The first one completes early; the others are held for 1.5 s (five
     // short periods, two and a half long ones).
     let first = held.remove(0);
-    store.commit(first, &req(&keys[0].0, short), None).await.unwrap();
+    store
+        .commit(first, &req(&keys[0].0, short), None)
+        .await
+        .unwrap();
     let started = Instant::now();
     while started.elapsed() < Duration::from_millis(1_500) {
         for (key, lease) in &keys[1..] {
@@ -397,7 +400,10 @@ async fn one_heartbeat_keeps_many_leases_of_different_lengths() {
     }
     for (lease_held, (key, lease)) in held.into_iter().zip(&keys[1..]) {
         assert!(!lease_held.lease_lost(), "{key}");
-        store.commit(lease_held, &req(key, *lease), None).await.unwrap();
+        store
+            .commit(lease_held, &req(key, *lease), None)
+            .await
+            .unwrap();
     }
     cleanup(&store, &prefix).await;
 }
