@@ -33,6 +33,22 @@ fn assert_sound(report: &Report) {
     );
 }
 
+/// Every store in `stores` with `flaws` on: the checker finds a
+/// counterexample to `property`.
+fn assert_caught(stores: &[StoreKind], flaws: Flaws, property: &str) {
+    for &store in stores {
+        let report = find_violation(InboxModel::new(store).with_flaws(flaws));
+        assert!(report.violated(property), "{store:?}: {report}");
+    }
+}
+
+const EVERY_STORE: [StoreKind; 3] = [
+    StoreKind::Transactional,
+    StoreKind::Lease,
+    StoreKind::LeaseRecord,
+];
+const LEASE_STORES: [StoreKind; 2] = [StoreKind::Lease, StoreKind::LeaseRecord];
+
 #[test]
 fn transactional_store_keeps_every_property() {
     let report = check(InboxModel::new(StoreKind::Transactional));
@@ -56,63 +72,47 @@ fn record_lease_store_keeps_every_property() {
 
 #[test]
 fn record_lease_release_that_forgets_the_fence_is_caught() {
-    let report = find_violation(InboxModel::new(StoreKind::LeaseRecord).with_flaws(Flaws {
+    let flaws = Flaws {
         release_forgets_fence: true,
         ..Flaws::default()
-    }));
-    assert!(report.violated(NO_FENCE_REUSE), "{report}");
+    };
+    assert_caught(&[StoreKind::LeaseRecord], flaws, NO_FENCE_REUSE);
 }
 
 #[test]
 fn check_then_insert_is_caught_in_every_store() {
-    for store in [
-        StoreKind::Transactional,
-        StoreKind::Lease,
-        StoreKind::LeaseRecord,
-    ] {
-        let report = find_violation(InboxModel::new(store).with_flaws(Flaws {
-            check_then_insert: true,
-            ..Flaws::default()
-        }));
-        assert!(report.violated(NO_DOUBLE_EFFECT), "{store:?}: {report}");
-    }
+    let flaws = Flaws {
+        check_then_insert: true,
+        ..Flaws::default()
+    };
+    assert_caught(&EVERY_STORE, flaws, NO_DOUBLE_EFFECT);
 }
 
 #[test]
 fn ack_before_commit_is_caught_in_every_store() {
-    for store in [
-        StoreKind::Transactional,
-        StoreKind::Lease,
-        StoreKind::LeaseRecord,
-    ] {
-        let report = find_violation(InboxModel::new(store).with_flaws(Flaws {
-            ack_before_commit: true,
-            ..Flaws::default()
-        }));
-        assert!(report.violated(NO_LOSS), "{store:?}: {report}");
-    }
+    let flaws = Flaws {
+        ack_before_commit: true,
+        ..Flaws::default()
+    };
+    assert_caught(&EVERY_STORE, flaws, NO_LOSS);
 }
 
 #[test]
 fn completion_without_compare_and_set_is_caught() {
-    for store in [StoreKind::Lease, StoreKind::LeaseRecord] {
-        let report = find_violation(InboxModel::new(store).with_flaws(Flaws {
-            complete_without_cas: true,
-            ..Flaws::default()
-        }));
-        assert!(report.violated(NO_STALE_COMPLETION), "{store:?}: {report}");
-    }
+    let flaws = Flaws {
+        complete_without_cas: true,
+        ..Flaws::default()
+    };
+    assert_caught(&LEASE_STORES, flaws, NO_STALE_COMPLETION);
 }
 
 #[test]
 fn downstream_write_without_fencing_is_caught() {
-    for store in [StoreKind::Lease, StoreKind::LeaseRecord] {
-        let report = find_violation(InboxModel::new(store).with_flaws(Flaws {
-            write_without_fencing: true,
-            ..Flaws::default()
-        }));
-        assert!(report.violated(NO_STALE_COMPLETION), "{store:?}: {report}");
-    }
+    let flaws = Flaws {
+        write_without_fencing: true,
+        ..Flaws::default()
+    };
+    assert_caught(&LEASE_STORES, flaws, NO_STALE_COMPLETION);
 }
 
 /// Larger bounds (about a minute in release). Run with `--ignored`.

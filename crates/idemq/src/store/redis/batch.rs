@@ -389,7 +389,7 @@ impl Drop for RedisLeaseGroup {
 }
 
 /// A `new` answer: the fencing number and the first-seen time.
-fn new_lease(reply: &[String]) -> (u64, i64) {
+pub(super) fn new_lease(reply: &[String]) -> (u64, i64) {
     let fencing = reply.get(1).and_then(|n| n.parse().ok()).unwrap_or(0);
     let first_seen = reply
         .get(2)

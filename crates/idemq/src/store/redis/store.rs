@@ -409,11 +409,7 @@ impl Store for RedisStore {
             }
             Some("busy") => Ok(Claim::InFlight),
             Some("new") => {
-                let fencing = reply.get(1).and_then(|n| n.parse().ok()).unwrap_or(0);
-                let first_seen_ms = reply
-                    .get(2)
-                    .and_then(|n| n.parse().ok())
-                    .unwrap_or_else(now_ms);
+                let (fencing, first_seen_ms) = super::batch::new_lease(&reply);
                 self.new_lease(req, rec, token, fencing, first_seen_ms)
                     .await
             }
