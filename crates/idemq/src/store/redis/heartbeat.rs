@@ -35,6 +35,9 @@ pub(super) struct Heartbeats {
     beats: Mutex<HashMap<u64, Beat>>,
     next_id: AtomicU64,
     wake: Arc<Notify>,
+    /// When the task will next look at the leases (`None`: not asleep on a
+    /// deadline), so a new lease wakes it only if it is due before that.
+    planned: Arc<Mutex<Option<Instant>>>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
     conn: RedisConnection,
     scripts: Arc<Scripts>,
@@ -80,6 +83,7 @@ impl Heartbeats {
             beats: Mutex::default(),
             next_id: AtomicU64::new(0),
             wake: Arc::new(Notify::new()),
+            planned: Arc::default(),
             task: Mutex::new(None),
             conn,
             scripts,
@@ -100,6 +104,7 @@ impl Heartbeats {
     ) -> BeatGuard {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
+        let due = now + every(lease);
         lock(&self.beats).insert(
             id,
             Beat {
@@ -108,28 +113,35 @@ impl Heartbeats {
                 lease,
                 lease_ms: super::millis(lease),
                 ttl_ms,
-                due: now + every(lease),
+                due,
                 last_ok: now,
             },
         );
-        self.ensure_task();
+        self.ensure_task(due);
         BeatGuard {
             id,
             heartbeats: Arc::clone(self),
         }
     }
 
-    fn ensure_task(self: &Arc<Self>) {
+    /// Starts the task if it is not running; wakes it if a lease is `due`
+    /// before it planned to look.
+    fn ensure_task(self: &Arc<Self>, due: Instant) {
         let mut task = lock(&self.task);
         if task.as_ref().is_some_and(|t| !t.is_finished()) {
-            // Running: it may be asleep until a later deadline.
-            self.wake.notify_one();
+            if lock(&self.planned).is_none_or(|planned| due < planned) {
+                self.wake.notify_one();
+            }
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return; // no runtime: the leases expire by themselves
         };
-        *task = Some(runtime.spawn(run(Arc::downgrade(self), Arc::clone(&self.wake))));
+        *task = Some(runtime.spawn(run(
+            Arc::downgrade(self),
+            Arc::clone(&self.wake),
+            Arc::clone(&self.planned),
+        )));
     }
 
     /// Extends every lease that is due; answers when the next one is.
@@ -184,14 +196,21 @@ impl Heartbeats {
 }
 
 /// The heartbeat task: rounds until its store is gone.
-async fn run(heartbeats: Weak<Heartbeats>, wake: Arc<Notify>) {
+async fn run(
+    heartbeats: Weak<Heartbeats>,
+    wake: Arc<Notify>,
+    planned: Arc<Mutex<Option<Instant>>>,
+) {
     loop {
+        *lock(&planned) = None;
         let next = {
             let Some(heartbeats) = heartbeats.upgrade() else {
                 return;
             };
             heartbeats.round().await
         };
+        // With no lease held (`None`) any new one wakes the task.
+        *lock(&planned) = next;
         let until = next.unwrap_or_else(|| Instant::now() + IDLE_CHECK);
         tokio::select! {
             () = tokio::time::sleep_until(until.into()) => {}
