@@ -16,6 +16,11 @@
 //!   in a transaction that the handler's effect is written through; a
 //!   concurrent claimer of the same key *waits* on the row lock; commit makes
 //!   row and effect durable at once; a crash or failure rolls both back.
+//! - [`StoreKind::PartitionedTransactional`] (the time-partitioned
+//!   PostgreSQL inbox): no unique index spans the partitions, so the claim
+//!   takes the key's transaction-scoped lock, then looks the key up in a
+//!   statement of its own, then inserts; a concurrent claimer waits on the
+//!   lock, also when the key turns out to be done.
 //! - [`StoreKind::Lease`] (Redis, memory): the claim is `in-flight(token)`
 //!   with a rising fencing number; the lease can expire at any time (a
 //!   nondeterministic action: a paused or partitioned holder); a heartbeat
@@ -38,8 +43,9 @@
 //!
 //! [`Flaws`] switch on known-bad variants, each of which the checker must
 //! catch: check-then-insert claims, ack before commit, completion without the
-//! compare-and-set, downstream writes without the fencing check, and a
-//! record lease whose release deletes the record (and with it the counter).
+//! compare-and-set, downstream writes without the fencing check, a record
+//! lease whose release deletes the record (and with it the counter), and a
+//! partitioned claim that looks the key up on a snapshot older than its lock.
 //!
 //! ```
 //! use idemq_model::{InboxModel, StoreKind};
@@ -59,6 +65,12 @@ use stateright::{Checker, HasDiscoveries, Model, Property};
 pub enum StoreKind {
     /// Claim row and effect in one database transaction (SQL stores).
     Transactional,
+    /// The time-partitioned SQL inbox: no unique index spans the
+    /// partitions, so a claim takes the key's transaction-scoped lock, then
+    /// looks for the key in a statement of its own (it sees what the
+    /// previous holder committed), then inserts; the lock is held until the
+    /// claim's transaction ends, also for a duplicate.
+    PartitionedTransactional,
     /// A lease with token, expiry, heartbeat and a global rising fencing
     /// number (the memory store).
     Lease,
@@ -89,6 +101,11 @@ pub struct Flaws {
     /// [`StoreKind::LeaseRecord`]: a release deletes the key's record instead
     /// of leaving a free record with the counter, so the counter starts again.
     pub release_forgets_fence: bool,
+    /// [`StoreKind::PartitionedTransactional`]: the look-up reads a snapshot
+    /// taken before the lock was granted (one statement that locks and
+    /// looks, or REPEATABLE READ), so it misses what the previous holder
+    /// committed while it waited.
+    pub look_before_lock: bool,
 }
 
 /// The model: store kind, sizes, fault budgets and flaws.
@@ -192,7 +209,9 @@ impl InboxModel {
 
     fn applied_once(&self, s: &State, k: usize) -> bool {
         match self.store {
-            StoreKind::Transactional => s.tx[k].committed && s.tx[k].effects == 1,
+            StoreKind::Transactional | StoreKind::PartitionedTransactional => {
+                s.tx[k].committed && s.tx[k].effects == 1
+            }
             StoreKind::Lease | StoreKind::LeaseRecord => match s.rec[k] {
                 // The downstream holds the completing holder's write.
                 Rec::Done(fence) => s.down[k].max_fence == fence && s.down[k].writes >= 1,
@@ -269,7 +288,9 @@ pub enum Phase {
     Idle,
     /// Holds a delivery; next: claim.
     Received,
-    /// Check-then-insert only: read "absent"; next: the unguarded insert.
+    /// Check-then-insert: read "absent"; next: the unguarded insert. A
+    /// partitioned claim: holds the key's lock; next: the look-up (with
+    /// look-before-lock: has looked; next: the lock).
     Checked,
     /// Holds the claim (row lock or lease); next: the handler's effect.
     Holding,
@@ -445,7 +466,7 @@ impl Model for InboxModel {
                 }
                 continue;
             }
-            if self.step_enabled(s, w) {
+            if self.step_enabled(s, usize::from(i), w) {
                 actions.push(Action::Step(i));
             }
             if s.faults < self.max_faults {
@@ -505,7 +526,9 @@ impl Model for InboxModel {
                 let w = s.workers[i].clone();
                 let k = usize::from(w.msg);
                 match self.store {
-                    StoreKind::Transactional => s.tx[k].lockers &= !(1 << i),
+                    StoreKind::Transactional | StoreKind::PartitionedTransactional => {
+                        s.tx[k].lockers &= !(1 << i)
+                    }
                     StoreKind::Lease | StoreKind::LeaseRecord => {
                         // The lease stays until it expires; a written effect stays too.
                         if w.phase == Phase::Effected && s.rec[k].held_by(w.token) {
@@ -578,7 +601,7 @@ impl Model for InboxModel {
             Property::always(NO_DOUBLE_EFFECT, |m: &InboxModel, s: &State| {
                 let completions_ok = s.completions.iter().all(|&c| c <= 1);
                 match m.store {
-                    StoreKind::Transactional => {
+                    StoreKind::Transactional | StoreKind::PartitionedTransactional => {
                         completions_ok && s.tx.iter().all(|t| t.effects <= 1)
                     }
                     // A lease store cannot undo a write made by a holder that
@@ -619,14 +642,30 @@ fn idle() -> Worker {
 
 impl InboxModel {
     /// Whether `Step` can run: a transactional claim waits on another's row lock.
-    fn step_enabled(&self, s: &State, w: &Worker) -> bool {
+    fn step_enabled(&self, s: &State, i: usize, w: &Worker) -> bool {
         let k = usize::from(w.msg);
         match (self.store, w.phase) {
             (StoreKind::Transactional, Phase::Received) if !self.flaws.check_then_insert => {
                 s.tx[k].committed || s.tx[k].lockers == 0
             }
+            // The lock: taken at once, or (the flaw) after the look-up.
+            // Check-then-insert takes no lock at all.
+            (StoreKind::PartitionedTransactional, Phase::Received) if !self.looks_first() => {
+                s.tx[k].lockers & !(1 << i) == 0
+            }
+            (StoreKind::PartitionedTransactional, Phase::Checked)
+                if self.looks_first() && !self.flaws.check_then_insert =>
+            {
+                s.tx[k].lockers & !(1 << i) == 0
+            }
             _ => true,
         }
+    }
+
+    /// Partitioned claims: whether the look-up comes before the lock (the
+    /// look-before-lock and check-then-insert flaws).
+    fn looks_first(&self) -> bool {
+        self.flaws.look_before_lock || self.flaws.check_then_insert
     }
 
     /// Rolls back the worker's claim: the transaction, or the lease by
@@ -635,7 +674,9 @@ impl InboxModel {
         let w = s.workers[i].clone();
         let k = usize::from(w.msg);
         match self.store {
-            StoreKind::Transactional => s.tx[k].lockers &= !(1 << i),
+            StoreKind::Transactional | StoreKind::PartitionedTransactional => {
+                s.tx[k].lockers &= !(1 << i)
+            }
             StoreKind::Lease | StoreKind::LeaseRecord => {
                 if s.rec[k].held_by(w.token) {
                     s.rec[k] = if self.store == StoreKind::LeaseRecord
@@ -718,6 +759,32 @@ impl InboxModel {
                 s.tx[k].lockers |= bit;
                 Phase::Holding
             }
+            // Lock, then look (or, the flaw, look, then lock).
+            (StoreKind::PartitionedTransactional, Phase::Received) => {
+                if self.looks_first() {
+                    // The snapshot of the look-up, kept until the lock is granted.
+                    s.workers[i].fence = u8::from(s.tx[k].committed);
+                } else {
+                    s.tx[k].lockers |= bit;
+                }
+                Phase::Checked
+            }
+            (StoreKind::PartitionedTransactional, Phase::Checked) => {
+                let seen_done = if self.looks_first() {
+                    s.tx[k].lockers |= bit;
+                    s.workers[i].fence == 1
+                } else {
+                    s.tx[k].committed
+                };
+                s.workers[i].fence = 0;
+                if seen_done {
+                    // The duplicate's transaction ends: the lock goes.
+                    s.tx[k].lockers &= !bit;
+                    Phase::Duplicate
+                } else {
+                    Phase::Holding
+                }
+            }
             (StoreKind::Lease | StoreKind::LeaseRecord, Phase::Received) => match s.rec[k] {
                 Rec::Done(_) => Phase::Duplicate,
                 Rec::InFlight { expired: false, .. } => Phase::Retry,
@@ -736,7 +803,9 @@ impl InboxModel {
                 Phase::Holding
             }
             // The handler's effect.
-            (StoreKind::Transactional, Phase::Holding) => Phase::Effected,
+            (StoreKind::Transactional | StoreKind::PartitionedTransactional, Phase::Holding) => {
+                Phase::Effected
+            }
             (StoreKind::Lease | StoreKind::LeaseRecord, Phase::Holding) => {
                 let d = &mut s.down[k];
                 if !self.flaws.write_without_fencing && w.fence < d.max_fence {
@@ -757,7 +826,7 @@ impl InboxModel {
                 s.workers[i].acked = true;
                 Phase::Effected
             }
-            (StoreKind::Transactional, Phase::Effected) => {
+            (StoreKind::Transactional | StoreKind::PartitionedTransactional, Phase::Effected) => {
                 if s.tx[k].committed {
                     s.stale_completions += u8::from(s.tx[k].lockers & bit == 0);
                 }

@@ -96,6 +96,11 @@ pub trait Backend: Sized + Send + Sync + 'static {
     async fn cleanup(self);
     /// How many handler calls got more than one message at once
     /// ([`Handler::handle_batch`]); 0 for handlers that take one at a time.
+    /// The granularity of retention, where it is not row by row (a
+    /// partitioned inbox drops whole partitions).
+    fn retention_step(&self) -> Option<Duration> {
+        None
+    }
     fn batch_calls(&self) -> u32 {
         0
     }
@@ -303,19 +308,7 @@ where
 
     async fn fresh() -> Self {
         let (store, prefix, dir) = unmigrated::<S>().await;
-        store.migrate().await.expect("migrate");
-        let ledger = format!("{prefix}ledger");
-        store
-            .exec(&format!(
-                "CREATE TABLE {ledger} (msg_key VARCHAR(600) NOT NULL, amount BIGINT NOT NULL)"
-            ))
-            .await;
-        Self {
-            insert: S::insert_sql(&ledger).into(),
-            store,
-            ledger,
-            _dir: dir,
-        }
+        Self::migrated(store, prefix, dir).await
     }
 
     fn store(&self) -> S {
@@ -353,6 +346,78 @@ where
                 .exec(&format!("DROP TABLE IF EXISTS {p}{t}"))
                 .await;
         }
+    }
+}
+
+impl<S: SqlTestStore> SqlBackend<S> {
+    /// Migrates `store` (tables of `prefix`) and creates its ledger table.
+    async fn migrated(store: S, prefix: String, dir: Option<tempfile::TempDir>) -> Self {
+        store.migrate().await.expect("migrate");
+        let ledger = format!("{prefix}ledger");
+        store
+            .exec(&format!(
+                "CREATE TABLE {ledger} (msg_key VARCHAR(600) NOT NULL, amount BIGINT NOT NULL)"
+            ))
+            .await;
+        Self {
+            insert: S::insert_sql(&ledger).into(),
+            store,
+            ledger,
+            _dir: dir,
+        }
+    }
+}
+
+/// The partition interval of [`PartitionedPostgres`].
+#[cfg(feature = "postgres")]
+const PARTITION: Duration = Duration::from_secs(1);
+
+/// PostgreSQL with a time-partitioned inbox of one-second partitions, so
+/// that every scenario's claims and duplicates cross partition boundaries.
+#[cfg(feature = "postgres")]
+pub struct PartitionedPostgres(SqlBackend<idemq::store::sql::postgres::PostgresStore>);
+
+#[cfg(feature = "postgres")]
+#[async_trait]
+impl Backend for PartitionedPostgres {
+    type S = idemq::store::sql::postgres::PostgresStore;
+
+    async fn fresh() -> Self {
+        use idemq::store::sql::{InboxPartitions, SqlOptions};
+        let (plain, prefix, dir) = unmigrated::<Self::S>().await;
+        let options = SqlOptions::default()
+            .table_prefix(&prefix)
+            .partitioned_inbox(InboxPartitions::every(PARTITION).ahead(3));
+        let store = Self::S::from_pool(plain.pool().clone(), options).expect("a store");
+        Self(SqlBackend::migrated(store, prefix, dir).await)
+    }
+
+    fn store(&self) -> Self::S {
+        self.0.store()
+    }
+
+    fn retention_step(&self) -> Option<Duration> {
+        Some(PARTITION)
+    }
+
+    fn handler(&self, plan: Arc<Plan>) -> Box<dyn Handler<<Self::S as Store>::Tx>> {
+        self.0.handler(plan)
+    }
+
+    async fn ledger(&self) -> Vec<(String, i64)> {
+        self.0.ledger().await
+    }
+
+    async fn cleanup(self) {
+        let store = self.0.store();
+        let p = store.table_prefix();
+        self.0.cleanup().await;
+        store
+            .exec(&format!("DROP TABLE IF EXISTS {p}inbox_layout"))
+            .await;
+        store
+            .exec(&format!("DROP FUNCTION IF EXISTS {p}inbox_claim"))
+            .await;
     }
 }
 

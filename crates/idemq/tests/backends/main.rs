@@ -40,6 +40,16 @@ mod postgres {
     crate::batch::batch_suite!(set_based: crate::backend::SetBasedBackend<idemq::store::sql::postgres::PostgresStore>);
 }
 
+/// The same scenarios on a time-partitioned inbox of one-second
+/// partitions: claims and their duplicates cross partition boundaries.
+#[cfg(feature = "postgres")]
+mod postgres_partitioned {
+    crate::scenarios::suite!(crate::backend::PartitionedPostgres);
+    mod batch {
+        crate::batch::batch_scenarios!(crate::backend::PartitionedPostgres);
+    }
+}
+
 #[cfg(feature = "sqlite")]
 mod sqlite {
     crate::scenarios::suite!(crate::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);

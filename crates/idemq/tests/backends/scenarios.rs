@@ -587,9 +587,25 @@ pub async fn pruning_removes_only_rows_past_the_window<B: Backend>() {
     let plan = Arc::new(Plan::default());
     let old = queue_of((0..5).map(|i| msg(&format!("old-{i}"), 1)));
     run::<B>(consumer(&backend, "ledger", &plan), &old).await;
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    let cutoff = now_ms();
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    let cutoff = match backend.retention_step() {
+        None => {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let cutoff = now_ms();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            cutoff
+        }
+        // Retention by whole partitions: the cutoff is the start of the
+        // partition the new rows go to.
+        Some(step) => {
+            let step = i64::try_from(step.as_millis()).unwrap();
+            let next = (now_ms() / step + 1) * step;
+            tokio::time::sleep(Duration::from_millis(
+                u64::try_from(next - now_ms()).unwrap_or(0) + 20,
+            ))
+            .await;
+            next
+        }
+    };
     let new = queue_of((0..3).map(|i| msg(&format!("new-{i}"), 1)));
     run::<B>(consumer(&backend, "ledger", &plan), &new).await;
 

@@ -5,6 +5,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::database::{Bind, Column, SqlDatabase};
+use super::partitions::Layout;
 use super::store::INBOX_COLUMNS;
 use super::{store_error, SqlStore};
 use crate::error::StoreError;
@@ -50,6 +51,7 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         consumer: &str,
         claims: &[(&str, &str)],
     ) -> Result<(Tx<DB>, Vec<BatchClaim>), StoreError> {
+        let layout = self.prepare_claims().await?;
         let mut tx = self.pool.begin().await.map_err(store_error)?;
         if claims.is_empty() {
             return Ok((tx, Vec::new()));
@@ -70,10 +72,13 @@ impl<DB: SqlDatabase> SqlStore<DB> {
                 ]
             })
             .collect();
-        let sql = self.batch.claim(sorted.len());
+        let sql = match layout {
+            Layout::Plain => self.batch.claim(sorted.len()),
+            Layout::Partitioned => self.parts.sql.claim_batch(sorted.len()),
+        };
         let inserted: HashSet<String> = DB::fetch(&mut tx, &sql, &binds, &[Column::Text])
             .await
-            .map_err(store_error)?
+            .map_err(|e| self.claim_error(layout, e))?
             .iter()
             .map(|row| row.text(0))
             .collect::<Result<_, _>>()
@@ -268,6 +273,8 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         offset: i64,
         lock_partition: bool,
     ) -> Result<OffsetClaim<Tx<DB>>, StoreError> {
+        // The unit may claim a key in this transaction (`claim_key_in`).
+        self.prepare_claims().await?;
         let mut tx = self.pool.begin().await.map_err(store_error)?;
         // Read (and lock) the partition's row; only the first claim of a
         // partition ever finds none and creates it (one round trip per

@@ -16,6 +16,7 @@ mod batch;
 pub mod database;
 mod failed_keys;
 mod journal;
+mod partitions;
 pub mod queries;
 mod rewind;
 mod store;
@@ -29,6 +30,7 @@ pub mod postgres;
 pub mod sqlite;
 
 pub use database::{Bind, Column, SqlDatabase, SqlRow};
+pub use partitions::InboxPartitions;
 pub use queries::{BatchQueries, Dialect, Queries, Tables};
 pub use store::SqlStore;
 pub use unit::SqlUnit;
@@ -47,6 +49,11 @@ pub struct SqlOptions {
     /// How long to wait for a connection (also bounds the first connect to
     /// an unreachable server). Default 10 s.
     pub acquire_timeout: std::time::Duration,
+    /// Creates the inbox time-partitioned when
+    /// [`migrate`](crate::store::StoreAdmin::migrate) creates it (PostgreSQL
+    /// only; default `None`, one table). An inbox that exists keeps its
+    /// layout: every store claims the way its inbox is laid out.
+    pub inbox_partitions: Option<InboxPartitions>,
 }
 
 impl Default for SqlOptions {
@@ -55,6 +62,7 @@ impl Default for SqlOptions {
             table_prefix: "idemq_".to_owned(),
             max_connections: None,
             acquire_timeout: std::time::Duration::from_secs(10),
+            inbox_partitions: None,
         }
     }
 }
@@ -75,6 +83,12 @@ impl SqlOptions {
     /// Sets how long to wait for a connection.
     pub fn acquire_timeout(mut self, timeout: std::time::Duration) -> Self {
         self.acquire_timeout = timeout;
+        self
+    }
+
+    /// Asks `migrate` to create a time-partitioned inbox (PostgreSQL).
+    pub fn partitioned_inbox(mut self, partitions: InboxPartitions) -> Self {
+        self.inbox_partitions = Some(partitions);
         self
     }
 

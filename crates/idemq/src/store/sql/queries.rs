@@ -408,21 +408,7 @@ impl Queries {
                 Dialect::MySql => Some(format!("SELECT RELEASE_LOCK('{migrations}')")),
                 _ => None,
             },
-            migrations: vec![
-                (1, schema_v1(dialect, tables)),
-                (2, schema_v2(dialect, tables)),
-                // SQLite has one writer per file and the handler's transaction
-                // holds it: its journal lives in a file of its own (created
-                // when first used), so v3 has nothing to do in the main file.
-                (
-                    3,
-                    match dialect {
-                        Dialect::Sqlite => Vec::new(),
-                        _ => schema_v3(dialect, tables),
-                    },
-                ),
-                (4, schema_v4(dialect, tables)),
-            ],
+            migrations: schema_versions(dialect, tables, None),
             offset_ensure: match dialect {
                 Dialect::MySql => format!(
                     "INSERT IGNORE INTO {offsets} (consumer, topic, part, next_offset, updated_at) \
@@ -530,6 +516,32 @@ fn number_placeholders(sql: &str) -> String {
     out
 }
 
+/// The versioned schema steps, in order. `partitioned` is the
+/// `(interval_ms, ahead)` of a time-partitioned inbox (PostgreSQL): version
+/// 1 then creates the inbox in that layout (see
+/// [`partitions`](super::partitions)).
+pub(super) fn schema_versions(
+    dialect: Dialect,
+    tables: &Tables,
+    partitioned: Option<(i64, i64)>,
+) -> Vec<(i64, Vec<String>)> {
+    vec![
+        (1, schema_v1(dialect, tables, partitioned)),
+        (2, schema_v2(dialect, tables)),
+        // SQLite has one writer per file and the handler's transaction
+        // holds it: its journal lives in a file of its own (created
+        // when first used), so v3 has nothing to do in the main file.
+        (
+            3,
+            match dialect {
+                Dialect::Sqlite => Vec::new(),
+                _ => schema_v3(dialect, tables),
+            },
+        ),
+        (4, schema_v4(dialect, tables)),
+    ]
+}
+
 /// Version 4: one dead letter per dead-lettered message. `letter_id` is
 /// [`DeadLetter::letter_id`](crate::store::DeadLetter::letter_id); rows
 /// written before v4 have none (NULLs never collide in a unique index).
@@ -615,7 +627,7 @@ fn schema_v2(dialect: Dialect, tables: &Tables) -> Vec<String> {
     )]
 }
 
-fn schema_v1(dialect: Dialect, tables: &Tables) -> Vec<String> {
+fn schema_v1(dialect: Dialect, tables: &Tables, partitioned: Option<(i64, i64)>) -> Vec<String> {
     let Tables {
         inbox,
         attempts,
@@ -661,12 +673,23 @@ fn schema_v1(dialect: Dialect, tables: &Tables) -> Vec<String> {
             "CREATE INDEX IF NOT EXISTS {name} ON {table} ({cols})"
         )),
     };
-    let mut steps = vec![
-        format!(
-            "CREATE TABLE IF NOT EXISTS {inbox} ({consumer}, {key}, fingerprint VARCHAR(64) NOT NULL, \
-             result_json TEXT NULL, created_at BIGINT NOT NULL, PRIMARY KEY (consumer, msg_key){}){table_opts}",
-            inline_index(&format!("{inbox}_created_at"), "created_at")
+    // A partitioned inbox needs no index on created_at: retention drops
+    // partitions.
+    let (mut steps, inbox_index) = match partitioned {
+        Some((interval_ms, ahead)) => (
+            super::partitions::PartitionSql::new(tables).schema(interval_ms, ahead),
+            None,
         ),
+        None => (
+            vec![format!(
+                "CREATE TABLE IF NOT EXISTS {inbox} ({consumer}, {key}, fingerprint VARCHAR(64) NOT NULL, \
+                 result_json TEXT NULL, created_at BIGINT NOT NULL, PRIMARY KEY (consumer, msg_key){}){table_opts}",
+                inline_index(&format!("{inbox}_created_at"), "created_at")
+            )],
+            separate_index(inbox, &format!("{inbox}_created_at"), "created_at"),
+        ),
+    };
+    steps.extend([
         format!(
             "CREATE TABLE IF NOT EXISTS {attempts} ({consumer}, {key}, attempts BIGINT NOT NULL, \
              last_error TEXT NOT NULL, first_failed_at BIGINT NOT NULL, last_failed_at BIGINT NOT NULL, \
@@ -681,10 +704,10 @@ fn schema_v1(dialect: Dialect, tables: &Tables) -> Vec<String> {
              created_at BIGINT NOT NULL{}){table_opts}",
             inline_index(&format!("{dead}_consumer_key"), "consumer, msg_key")
         ),
-    ];
+    ]);
     steps.extend(
         [
-            separate_index(inbox, &format!("{inbox}_created_at"), "created_at"),
+            inbox_index,
             separate_index(
                 attempts,
                 &format!("{attempts}_last_failed_at"),

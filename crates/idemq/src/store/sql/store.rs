@@ -6,7 +6,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::database::{Bind, Column, SqlDatabase, SqlRow};
-use super::{connect_error, migrate, store_error, BatchQueries, Queries, SqlOptions, Tables};
+use super::partitions::{InboxPartitions, Layout, PartitionSql, Upkeep};
+use super::{
+    connect_error, migrate, queries, store_error, BatchQueries, Dialect, Queries, SqlOptions,
+    Tables,
+};
 use crate::error::{StoreError, StoreErrorKind};
 use crate::store::{
     dead_letter_message, now_ms, parse_result, AttemptRecord, Claim, ClaimRequest, ConsumerStats,
@@ -58,6 +62,20 @@ pub struct SqlStore<DB: SqlDatabase> {
     /// Keys with a failed attempt counted here: commits of the others skip
     /// the `DELETE` of attempts.
     pub(super) failed: Arc<super::failed_keys::FailedKeys>,
+    /// The inbox's layout and, when it is partitioned, its upkeep.
+    pub(super) parts: Arc<Partitioning>,
+}
+
+/// What a store knows of its inbox's layout.
+#[derive(Debug)]
+pub(super) struct Partitioning {
+    /// The layout `migrate` creates an inbox in.
+    wanted: Option<InboxPartitions>,
+    /// The layout of the inbox, once it was seen to exist.
+    layout: std::sync::OnceLock<Layout>,
+    pub(super) sql: PartitionSql,
+    claim: String,
+    upkeep: Upkeep,
 }
 
 impl<DB: SqlDatabase> Clone for SqlStore<DB> {
@@ -69,6 +87,7 @@ impl<DB: SqlDatabase> Clone for SqlStore<DB> {
             tables: self.tables.clone(),
             journal: Arc::clone(&self.journal),
             failed: Arc::clone(&self.failed),
+            parts: Arc::clone(&self.parts),
         }
     }
 }
@@ -95,7 +114,7 @@ impl<DB: SqlDatabase> SqlStore<DB> {
             .tables()
             .map_err(|e| StoreError::from_source(StoreErrorKind::Config, e))?;
         let pool = DB::connect(url, &options).await.map_err(connect_error)?;
-        Ok(Self::with_tables(pool, tables))
+        Ok(Self::with_tables(pool, tables, options.inbox_partitions))
     }
 
     /// Wraps an existing pool (share it with the rest of the application).
@@ -103,10 +122,18 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         let tables = options
             .tables()
             .map_err(|e| StoreError::from_source(StoreErrorKind::Config, e))?;
-        Ok(Self::with_tables(pool, tables))
+        Ok(Self::with_tables(pool, tables, options.inbox_partitions))
     }
 
-    fn with_tables(pool: sqlx::Pool<DB>, tables: Tables) -> Self {
+    fn with_tables(pool: sqlx::Pool<DB>, tables: Tables, wanted: Option<InboxPartitions>) -> Self {
+        let sql = PartitionSql::new(&tables);
+        let parts = Partitioning {
+            wanted,
+            layout: std::sync::OnceLock::new(),
+            claim: sql.claim(),
+            sql,
+            upkeep: Upkeep::default(),
+        };
         Self {
             pool,
             queries: Arc::new(Queries::new(DB::DIALECT, &tables)),
@@ -114,7 +141,67 @@ impl<DB: SqlDatabase> SqlStore<DB> {
             tables,
             journal: Arc::new(tokio::sync::OnceCell::new()),
             failed: Arc::default(),
+            parts: Arc::new(parts),
         }
+    }
+
+    /// The inbox's layout, read from the database once the inbox exists
+    /// (PostgreSQL; the other databases have one layout).
+    pub(super) async fn layout(&self) -> Result<Layout, StoreError> {
+        if DB::DIALECT != Dialect::Postgres {
+            return Ok(Layout::Plain);
+        }
+        if let Some(layout) = self.parts.layout.get() {
+            return Ok(*layout);
+        }
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let detected = self.parts.sql.detect::<DB>(&mut conn).await?;
+        Ok(match detected {
+            Some(layout) => *self.parts.layout.get_or_init(|| layout),
+            // No inbox yet: the claim will say so.
+            None => Layout::Plain,
+        })
+    }
+
+    /// Before a claim's transaction: on a partitioned inbox, makes sure the
+    /// partitions ahead exist when that is due. A failure is logged, not
+    /// returned: the partitions made earlier may still hold the claim.
+    pub(super) async fn prepare_claims(&self) -> Result<Layout, StoreError> {
+        let layout = self.layout().await?;
+        if layout == Layout::Partitioned {
+            let now = now_ms();
+            if self.parts.upkeep.due(now) {
+                match self.parts.sql.ensure(&self.pool, now).await {
+                    Ok((_, interval_ms)) => self.parts.upkeep.done(now, interval_ms),
+                    Err(e) => {
+                        tracing::warn!(inbox = %self.tables.inbox, error = %e, "could not create inbox partitions ahead; trying again in a second");
+                        self.parts.upkeep.done(now, 4_000);
+                    }
+                }
+            }
+        }
+        Ok(layout)
+    }
+
+    /// The claim statement of `layout`.
+    pub(super) fn claim_sql(&self, layout: Layout) -> &str {
+        match layout {
+            Layout::Plain => &self.queries.claim,
+            Layout::Partitioned => &self.parts.claim,
+        }
+    }
+
+    /// A claim's database error as a store error: on a partitioned inbox, a
+    /// row no partition holds (SQLSTATE 23514) is transient, and makes the
+    /// next claim create the partitions first.
+    pub(super) fn claim_error(&self, layout: Layout, err: sqlx::Error) -> StoreError {
+        let no_partition = layout == Layout::Partitioned
+            && matches!(&err, sqlx::Error::Database(db) if db.code().as_deref() == Some("23514"));
+        if no_partition {
+            self.parts.upkeep.now();
+            return StoreError::from_source(StoreErrorKind::Transient, err);
+        }
+        store_error(err)
     }
 
     /// The connection pool.
@@ -197,9 +284,10 @@ impl<DB: SqlDatabase> SqlStore<DB> {
             Bind::Text(req.fingerprint),
             Bind::Int(now_ms()),
         ];
-        let inserted = DB::execute(tx, &self.queries.claim, &binds)
+        let layout = self.layout().await?;
+        let inserted = DB::execute(tx, self.claim_sql(layout), &binds)
             .await
-            .map_err(store_error)?;
+            .map_err(|e| self.claim_error(layout, e))?;
         Ok(inserted == 1)
     }
 
@@ -294,6 +382,7 @@ impl<DB: SqlDatabase> Store for SqlStore<DB> {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim<Self::Tx>, StoreError> {
         // A claim that finds a key whose row it cannot yet see (possible
         // under REPEATABLE READ) starts over in a new transaction.
+        self.prepare_claims().await?;
         for _ in 0..3 {
             let mut tx = self.pool.begin().await.map_err(store_error)?;
             if self.insert_claim(&mut tx, req).await? {
@@ -414,14 +503,42 @@ impl<DB: SqlDatabase> StoreAdmin for SqlStore<DB> {
     }
 
     async fn migrate(&self) -> Result<(), StoreError> {
-        migrate::<DB>(&self.pool, &self.queries, &self.queries.migrations, "inbox")
+        let wanted = match self.parts.wanted {
+            Some(parts) if DB::DIALECT == Dialect::Postgres => Some(parts.checked()?),
+            Some(_) => return Err(StoreError::config("a partitioned inbox is PostgreSQL only")),
+            None => None,
+        };
+        let migrations = match wanted {
+            Some(parts) => queries::schema_versions(DB::DIALECT, &self.tables, Some(parts)),
+            None => self.queries.migrations.clone(),
+        };
+        migrate::<DB>(&self.pool, &self.queries, &migrations, "inbox")
             .await
-            .map_err(store_error)
+            .map_err(store_error)?;
+        match self.layout().await? {
+            Layout::Plain if wanted.is_some() => Err(StoreError::config(format!(
+                "the inbox {} exists as one table: a partitioned inbox is made by migrate \
+                 under a new table prefix (or in another database); rows are not moved in place",
+                self.tables.inbox
+            ))),
+            Layout::Plain => Ok(()),
+            Layout::Partitioned => {
+                let now = now_ms();
+                let (_, interval_ms) = self.parts.sql.ensure(&self.pool, now).await?;
+                self.parts.upkeep.done(now, interval_ms);
+                Ok(())
+            }
+        }
     }
 
     async fn prune_batch(&self, cutoff_ms: i64, batch: u32) -> Result<u64, StoreError> {
         let binds = [Bind::Int(cutoff_ms), Bind::Int(i64::from(batch))];
-        let deleted = Self::execute_on(&self.pool, &self.queries.prune_inbox, &binds).await?;
+        let deleted = match self.layout().await? {
+            Layout::Plain => {
+                Self::execute_on(&self.pool, &self.queries.prune_inbox, &binds).await?
+            }
+            Layout::Partitioned => self.parts.sql.drop_before(&self.pool, cutoff_ms).await?,
+        };
         Self::execute_on(&self.pool, &self.queries.prune_attempts, &binds).await?;
         let journal = self.journal_pool().await?;
         let effects = Self::execute_on(journal, &self.queries.prune_effects, &binds).await?;

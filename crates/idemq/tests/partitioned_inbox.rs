@@ -1,0 +1,390 @@
+//! The time-partitioned PostgreSQL inbox (`SqlOptions::partitioned_inbox`):
+//! a key stays single across partitions, under concurrency and across a
+//! partition boundary; a missing partition is created and the claim retried;
+//! retention drops whole partitions while consumers run; a plain inbox is
+//! never converted in place. One-second partitions, so that the tests cross
+//! boundaries in real time.
+#![cfg(feature = "postgres")]
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemq::store::sql::postgres::PostgresStore;
+use idemq::store::sql::{InboxPartitions, SqlOptions};
+use idemq::store::{now_ms, Claim, ClaimRequest, Store, StoreAdmin};
+use idemq::StoreErrorKind;
+
+const STEP_MS: i64 = 1_000;
+
+/// A migrated store with a partitioned inbox of one-second partitions, its
+/// own ledger table, and the table prefix.
+async fn partitioned() -> (PostgresStore, String) {
+    let prefix = format!("{}_", support::unique("part"));
+    let options = SqlOptions::default()
+        .table_prefix(&prefix)
+        .max_connections(40)
+        .partitioned_inbox(InboxPartitions::every(Duration::from_millis(1_000)).ahead(2));
+    let store = PostgresStore::connect_with(&support::postgres_url(), options)
+        .await
+        .expect("connect");
+    store.migrate().await.expect("migrate");
+    sqlx::query(&format!(
+        "CREATE TABLE {prefix}ledger (msg_key TEXT NOT NULL, claimed_at BIGINT NOT NULL)"
+    ))
+    .execute(store.pool())
+    .await
+    .expect("ledger");
+    (store, prefix)
+}
+
+async fn cleanup(store: &PostgresStore, prefix: &str) {
+    for sql in [
+        format!("DROP TABLE IF EXISTS {prefix}inbox, {prefix}inbox_layout, {prefix}attempts, {prefix}dead_letters, {prefix}schema_migrations, {prefix}offsets, {prefix}effects, {prefix}ledger"),
+        format!("DROP FUNCTION IF EXISTS {prefix}inbox_claim"),
+    ] {
+        sqlx::query(&sql).execute(store.pool()).await.expect(&sql);
+    }
+}
+
+fn req(key: &str) -> ClaimRequest<'_> {
+    ClaimRequest {
+        consumer: "payments",
+        key,
+        fingerprint: "f",
+        lease: Duration::from_secs(30),
+    }
+}
+
+/// Sleeps until `margin_ms` into the next partition.
+async fn into_next_partition(margin_ms: i64) {
+    let now = now_ms();
+    let next = (now / STEP_MS + 1) * STEP_MS + margin_ms;
+    tokio::time::sleep(Duration::from_millis(
+        u64::try_from(next - now).unwrap_or(0),
+    ))
+    .await;
+}
+
+/// Claims `key`; if new, writes its ledger row in the claim's transaction
+/// and commits. Returns whether this call applied it.
+async fn apply(store: &PostgresStore, prefix: &str, key: &str) -> bool {
+    loop {
+        match store.claim(&req(key)).await {
+            Ok(Claim::New(mut tx)) => {
+                sqlx::query(&format!(
+                    "INSERT INTO {prefix}ledger (msg_key, claimed_at) VALUES ($1, $2)"
+                ))
+                .bind(key)
+                .bind(now_ms())
+                .execute(&mut *tx)
+                .await
+                .expect("ledger row");
+                // A little work, so that copies meet the open claim.
+                tokio::time::sleep(Duration::from_millis(fastrand::u64(0..3))).await;
+                store.commit(tx, &req(key), None).await.expect("commit");
+                return true;
+            }
+            Ok(Claim::Done(_)) => return false,
+            Ok(Claim::InFlight) => panic!("a SQL claim waits; it never answers in flight"),
+            Err(e) if e.kind() == StoreErrorKind::Transient => continue,
+            Err(e) => panic!("claim {key}: {e}"),
+        }
+    }
+}
+
+async fn partition_count(store: &PostgresStore, prefix: &str) -> i64 {
+    sqlx::query_scalar::<_, i64>(&format!(
+        "SELECT COUNT(*) FROM pg_inherits WHERE inhparent = '{prefix}inbox'::regclass"
+    ))
+    .fetch_one(store.pool())
+    .await
+    .expect("partitions")
+}
+
+async fn ledger(store: &PostgresStore, prefix: &str) -> BTreeMap<String, i64> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
+        "SELECT msg_key, COUNT(*) FROM {prefix}ledger GROUP BY msg_key"
+    ))
+    .fetch_all(store.pool())
+    .await
+    .expect("ledger");
+    rows.into_iter().collect()
+}
+
+#[tokio::test]
+async fn migrate_creates_a_partitioned_inbox_with_partitions_ahead() {
+    let (store, prefix) = partitioned().await;
+    let kind: String = sqlx::query_scalar(&format!(
+        "SELECT relkind::text FROM pg_class WHERE oid = '{prefix}inbox'::regclass"
+    ))
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(kind, "p", "the inbox is a partitioned table");
+    // The current partition and two ahead.
+    assert!(partition_count(&store, &prefix).await >= 3);
+    // Migrating again changes nothing and keeps the layout.
+    store.migrate().await.unwrap();
+    cleanup(&store, &prefix).await;
+}
+
+#[tokio::test]
+async fn a_duplicate_in_a_later_partition_is_a_duplicate() {
+    let (store, prefix) = partitioned().await;
+    assert!(apply(&store, &prefix, "order-1").await);
+    into_next_partition(50).await;
+    assert!(
+        !apply(&store, &prefix, "order-1").await,
+        "applied again in a later partition"
+    );
+    into_next_partition(50).await;
+    let Claim::Done(record) = store.claim(&req("order-1")).await.unwrap() else {
+        panic!("the key is processed");
+    };
+    assert!(record.first_seen_ms < now_ms() - STEP_MS);
+    assert_eq!(ledger(&store, &prefix).await.get("order-1"), Some(&1));
+    cleanup(&store, &prefix).await;
+}
+
+/// A claim in a later partition waits for the open claim of the key in an
+/// earlier one, then answers by its outcome: committed → duplicate, rolled
+/// back → new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_waits_for_an_open_claim_in_an_earlier_partition() {
+    let (store, prefix) = partitioned().await;
+    for commit in [true, false] {
+        let key = format!("order-{commit}");
+        let Claim::New(tx) = store.claim(&req(&key)).await.unwrap() else {
+            panic!("new key");
+        };
+        into_next_partition(50).await;
+        let other = store.clone();
+        let second_key = key.clone();
+        let second = tokio::spawn(async move {
+            match other.claim(&req(&second_key)).await.unwrap() {
+                Claim::New(tx) => {
+                    other.rollback(tx).await.unwrap();
+                    "new"
+                }
+                Claim::Done(_) => "done",
+                Claim::InFlight => "in flight",
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !second.is_finished(),
+            "the second claim waits for the first"
+        );
+        if commit {
+            store
+                .commit(tx, &req(&key), Some(&serde_json::json!({"ok": true})))
+                .await
+                .unwrap();
+            assert_eq!(second.await.unwrap(), "done");
+        } else {
+            store.rollback(tx).await.unwrap();
+            assert_eq!(second.await.unwrap(), "new");
+        }
+    }
+    cleanup(&store, &prefix).await;
+}
+
+/// Copies of the same keys claimed at once by many tasks for three seconds,
+/// across three partition boundaries: each key applied exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_copies_across_boundaries_apply_once() {
+    let (store, prefix) = partitioned().await;
+    let prefix = Arc::new(prefix);
+    let deadline = now_ms() + 3 * STEP_MS;
+    let mut tasks = Vec::new();
+    for worker in 0..8 {
+        let (store, prefix) = (store.clone(), Arc::clone(&prefix));
+        tasks.push(tokio::spawn(async move {
+            let mut applied = Vec::new();
+            let mut i = 0u64;
+            while now_ms() < deadline {
+                // Every worker goes through the same keys, so each key is
+                // claimed by eight tasks at about the same time.
+                let key = format!("key-{i}");
+                if apply(&store, &prefix, &key).await {
+                    applied.push(key);
+                }
+                i += 1;
+                if worker % 2 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            applied
+        }));
+    }
+    let mut applied = 0;
+    for task in tasks {
+        applied += task.await.unwrap().len();
+    }
+    let ledger = ledger(&store, &prefix).await;
+    assert!(applied > 50, "only {applied} keys applied");
+    assert_eq!(ledger.len(), applied, "one ledger row per applied key");
+    let doubled: Vec<_> = ledger.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(doubled.is_empty(), "applied twice: {doubled:?}");
+    // The rows are spread over several partitions.
+    let spread: i64 = sqlx::query_scalar(&format!(
+        "SELECT COUNT(DISTINCT tableoid) FROM {prefix}inbox"
+    ))
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert!(spread >= 3, "rows in {spread} partitions");
+    cleanup(&store, &prefix).await;
+}
+
+/// With every partition gone (maintenance lapsed), a claim fails transient
+/// and the next one creates the partitions and succeeds.
+#[tokio::test]
+async fn a_missing_partition_is_created_and_the_claim_retried() {
+    let (store, prefix) = partitioned().await;
+    let names: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = '{prefix}inbox'::regclass"
+    ))
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    for name in names {
+        sqlx::query(&format!("DROP TABLE {name}"))
+            .execute(store.pool())
+            .await
+            .unwrap();
+    }
+    let err = store.claim(&req("order-1")).await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Transient, "{err}");
+    assert!(err.to_string().contains("no partition"), "{err}");
+    assert!(apply(&store, &prefix, "order-1").await);
+    assert!(partition_count(&store, &prefix).await >= 3);
+    cleanup(&store, &prefix).await;
+}
+
+/// The claim function refuses REPEATABLE READ, where its look-up would read
+/// a snapshot older than the lock it took.
+#[tokio::test]
+async fn claims_refuse_repeatable_read() {
+    let (store, prefix) = partitioned().await;
+    let mut tx = store.pool().begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let err = sqlx::query(&format!(
+        "SELECT {prefix}inbox_claim('payments', 'k', 'f', 1)"
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap_err();
+    let code = err.as_database_error().and_then(|e| e.code()).unwrap();
+    assert_eq!(code, "0A000", "{err}");
+    drop(tx);
+    cleanup(&store, &prefix).await;
+}
+
+/// Retention drops whole partitions past the cutoff while eight tasks keep
+/// claiming copies; every key is applied once, the old partitions are gone
+/// and the rows of the window stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retention_drops_partitions_while_consumers_run() {
+    let (store, prefix) = partitioned().await;
+    let prefix = Arc::new(prefix);
+    let deadline = now_ms() + 4 * STEP_MS;
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (store, prefix) = (store.clone(), Arc::clone(&prefix));
+        tasks.push(tokio::spawn(async move {
+            let mut applied = 0usize;
+            let mut i = 0u64;
+            while now_ms() < deadline {
+                if apply(&store, &prefix, &format!("key-{i}")).await {
+                    applied += 1;
+                }
+                i += 1;
+            }
+            applied
+        }));
+    }
+    let pruner = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let mut pruned = 0;
+            while now_ms() < deadline {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                // Keep 1.5 s: copies arrive within milliseconds of each other.
+                let cutoff = now_ms() - 3 * STEP_MS / 2;
+                pruned += idemq::retention::prune_before(&store, cutoff, 10_000, Duration::ZERO)
+                    .await
+                    .expect("prune");
+            }
+            pruned
+        })
+    };
+    let mut applied = 0;
+    for task in tasks {
+        applied += task.await.unwrap();
+    }
+    let pruned = pruner.await.unwrap();
+    let ledger = ledger(&store, &prefix).await;
+    assert_eq!(ledger.len(), applied);
+    assert!(ledger.values().all(|n| *n == 1), "a key applied twice");
+    let kept: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {prefix}inbox"))
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert!(pruned > 0, "nothing pruned");
+    assert_eq!(
+        u64::try_from(kept).unwrap() + pruned,
+        u64::try_from(applied).unwrap(),
+        "every applied row is kept or was in a dropped partition"
+    );
+    let oldest: i64 = sqlx::query_scalar(&format!("SELECT MIN(created_at) FROM {prefix}inbox"))
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert!(oldest >= deadline - 3 * STEP_MS, "an old partition stayed");
+    cleanup(&store, &prefix).await;
+}
+
+/// An inbox created as one table stays one table: asking for partitions
+/// later is a configuration error, not a silent conversion.
+#[tokio::test]
+async fn a_plain_inbox_is_not_converted() {
+    let prefix = format!("{}_", support::unique("plain"));
+    let plain = PostgresStore::connect_with(
+        &support::postgres_url(),
+        SqlOptions::default().table_prefix(&prefix),
+    )
+    .await
+    .unwrap();
+    plain.migrate().await.unwrap();
+    let wants_parts = PostgresStore::from_pool(
+        plain.pool().clone(),
+        SqlOptions::default()
+            .table_prefix(&prefix)
+            .partitioned_inbox(InboxPartitions::daily()),
+    )
+    .unwrap();
+    let err = wants_parts.migrate().await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Config, "{err}");
+    assert!(err.to_string().contains("one table"), "{err}");
+    // It still claims, the plain way.
+    assert!(apply_plain(&wants_parts).await);
+    cleanup(&plain, &prefix).await;
+}
+
+async fn apply_plain(store: &PostgresStore) -> bool {
+    match store.claim(&req("k")).await.unwrap() {
+        Claim::New(tx) => {
+            store.commit(tx, &req("k"), None).await.unwrap();
+            true
+        }
+        _ => false,
+    }
+}
