@@ -12,7 +12,9 @@
 #                               (Kafka) × MariaDB, and lease batches
 #                               (JSON lines × Redis); "every other store"
 #                               includes MongoDB (FerretDB, scripts/ferretdb.sh)
-#   scripts/chaos.sh --full     every source × every store (40 cells), plus
+#                               and postgres-part, PostgreSQL with a
+#                               time-partitioned inbox of 2 s partitions
+#   scripts/chaos.sh --full     every source × every store (48 cells), plus
 #                               the batch and both watermark cells × every SQL store
 #                               and the batch cells × Redis and MongoDB (lease batches)
 #   scripts/chaos.sh --cells 'jsonl:sqlite amqp:redis kafka:mysql:watermark'
@@ -120,7 +122,7 @@ mode_args() {
 store_url() {
   case "$1" in
     sqlite) echo "sqlite://$DIR/chaos.db" ;;
-    postgres) echo "postgres://postgres@127.0.0.1:5432/test" ;;
+    postgres|postgres-part) echo "postgres://postgres@127.0.0.1:5432/test" ;;
     mysql) echo "mysql://root@127.0.0.1:3306/test" ;;
     redis) echo "redis://127.0.0.1:6379" ;;
     mongo) echo "mongodb://127.0.0.1:27017/idemq_chaos" ;;
@@ -128,18 +130,26 @@ store_url() {
   esac
 }
 
+# The time-partitioned PostgreSQL inbox, with two-second partitions so that
+# kills and duplicates land on both sides of partition boundaries.
+store_args() {
+  case "$1" in
+    postgres-part) echo "--partitioned-inbox 2s" ;;
+  esac
+}
+
 SOURCES="jsonl kafka amqp sqs nats redis-stream mqtt rocketmq"
-STORES="sqlite postgres mysql redis mongo"
+STORES="sqlite postgres postgres-part mysql redis mongo"
 if [ -z "$cells" ]; then
   if [ "$mode" = full ]; then
     for st in $STORES; do for so in $SOURCES; do cells="$cells $so:$st"; done; done
-    for st in sqlite postgres mysql; do
+    for st in sqlite postgres postgres-part mysql; do
       cells="$cells jsonl:$st:batch amqp:$st:batch kafka:$st:watermark kafka:$st:concurrent"
     done
     cells="$cells jsonl:redis:batch amqp:redis:batch jsonl:mongo:batch amqp:mongo:batch"
   else
     for so in $SOURCES; do cells="$cells $so:postgres"; done
-    for st in sqlite mysql redis mongo; do cells="$cells jsonl:$st amqp:$st"; done
+    for st in sqlite mysql redis mongo postgres-part; do cells="$cells jsonl:$st amqp:$st"; done
     cells="$cells jsonl:postgres:batch amqp:postgres:batch kafka:postgres:watermark"
     cells="$cells kafka:mysql:concurrent jsonl:redis:batch"
   fi
@@ -167,7 +177,7 @@ for cell in $cells; do
   # shellcheck disable=SC2086
   "$BIN" --store "$store" chaos --source "$src" --messages "$msgs" \
     --kills "$KILLS" --workers "$workers" --work-dir "$DIR" --report "$REPORT" \
-    $(source_args "$so") $modeflags "${restart[@]}" ${CHAOS_ARGS:-}
+    $(source_args "$so") $(store_args "$st") $modeflags "${restart[@]}" ${CHAOS_ARGS:-}
   code=$?
   echo "chaos: cell $so × $st${cell_mode:+ ($cell_mode)}: exit $code in $(( $(date +%s) - t0 )) s"
   if [ $code -ne 0 ]; then

@@ -166,7 +166,7 @@ enum Command {
 
     /// Create or upgrade the idemq tables (idempotent).
     #[command(after_long_help = EXIT_CODES)]
-    Migrate,
+    Migrate(commands::MigrateArgs),
 
     /// Delete inbox rows older than a retention period.
     #[command(
@@ -891,7 +891,7 @@ pub(crate) async fn dispatch(cli: Cli) -> Result<ExitCode> {
     // of a global flag and fail in builds without SQLite.
     let url: StoreUrl = global.store.parse().map_err(exit::usage)?;
     #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-    let options = idemq::store::sql::SqlOptions::default().table_prefix(&global.table_prefix);
+    let options = commands::migrate::sql_options(&global.table_prefix, &command, &url)?;
     match url.kind {
         #[cfg(feature = "sqlite")]
         backend::Kind::Sqlite => {

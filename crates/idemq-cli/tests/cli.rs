@@ -829,9 +829,19 @@ fn unique_suffix() -> String {
 /// the ledger table name and the table prefix.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 fn consume_into(store: &str, ledger_type: &str, input: &Path) -> (String, String) {
-    let suffix = unique_suffix();
-    let ledger = format!("ledger_{suffix}");
-    let prefix = format!("t{suffix}_");
+    consume_into_prefix(store, ledger_type, input, &format!("t{}_", unique_suffix()))
+}
+
+/// [`consume_into`] with the idemq tables of `prefix` (migrated already or not).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn consume_into_prefix(
+    store: &str,
+    ledger_type: &str,
+    input: &Path,
+    prefix: &str,
+) -> (String, String) {
+    let ledger = format!("ledger_{}", unique_suffix());
+    let prefix = prefix.to_owned();
     let create = format!(
         "CREATE TABLE IF NOT EXISTS {ledger} (payment_id {ledger_type} PRIMARY KEY, account TEXT NOT NULL, amount INTEGER NOT NULL)"
     );
@@ -893,6 +903,59 @@ async fn consume_into_postgres() {
     assert_eq!(rows, expected_ledger());
     drop_tables(&pool, &ledger, &prefix).await;
     pool.close().await;
+}
+
+/// `migrate --partitioned-inbox` makes a time-partitioned inbox that
+/// `consume` (which migrates again) keeps and dedups through.
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn consume_into_a_partitioned_postgres_inbox() {
+    let url = std::env::var("IDEMQ_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned());
+    let f = Fixture::new();
+    let prefix = format!("tp{}_", unique_suffix());
+    let migrate = [
+        "--table-prefix",
+        &prefix,
+        "migrate",
+        "--partitioned-inbox",
+        "1h",
+    ];
+    idemq(&url, &migrate).expect_code(0);
+    let (ledger, prefix) = consume_into_prefix(&url, "TEXT", &f.input, &prefix);
+    let pool = sqlx::PgPool::connect(&url).await.expect("connect postgres");
+    let (kind, partitions): (String, i64) = sqlx::query_as(&format!(
+        "SELECT relkind::text, (SELECT COUNT(*) FROM pg_inherits WHERE inhparent = oid) \
+         FROM pg_class WHERE oid = '{prefix}inbox'::regclass"
+    ))
+    .fetch_one(&pool)
+    .await
+    .expect("the inbox");
+    assert_eq!(kind, "p", "a partitioned inbox");
+    assert_eq!(partitions, 3, "the current hour and two ahead");
+    let rows: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {ledger}"))
+        .fetch_one(&pool)
+        .await
+        .expect("read ledger");
+    assert_eq!(rows, i64::try_from(expected_ledger().len()).unwrap());
+    drop_tables(&pool, &ledger, &prefix).await;
+    for sql in [
+        format!("DROP TABLE IF EXISTS {prefix}inbox_layout, {prefix}effects"),
+        format!("DROP FUNCTION IF EXISTS {prefix}inbox_claim"),
+    ] {
+        sqlx::raw_sql(&sql).execute(&pool).await.expect(&sql);
+    }
+    pool.close().await;
+}
+
+#[cfg(feature = "sqlite")]
+#[test]
+fn a_partitioned_inbox_is_postgres_only() {
+    let f = Fixture::new();
+    let run = f
+        .run(&["migrate", "--partitioned-inbox", "1d"])
+        .expect_code(2);
+    assert!(run.stderr.contains("postgres://"), "{run:#?}");
 }
 
 #[cfg(feature = "mysql")]

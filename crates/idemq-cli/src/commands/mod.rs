@@ -7,7 +7,7 @@ pub(crate) mod dlq;
 mod doctor;
 pub(crate) mod generate;
 pub(crate) mod inspect;
-mod migrate;
+pub mod migrate;
 mod produce;
 #[cfg(feature = "proxy")]
 pub(crate) mod proxy;
@@ -35,7 +35,7 @@ pub async fn run<B: Backend + Clone>(
         Command::Consume(args) => consume::with_cache(store, args).await,
         Command::Produce(args) => produce::run(args).await,
         Command::Relay(args) => relay::run(args, global).await,
-        Command::Migrate => migrate::run(&store, url, &global.table_prefix).await,
+        Command::Migrate(_) => migrate::run(&store, url, &global.table_prefix).await,
         Command::Prune(args) => prune::run(&store, global, &args).await,
         Command::Stats(args) => stats::run(&store, &args).await,
         Command::Doctor(args) => doctor::run(&store, global, &args).await,
@@ -55,6 +55,7 @@ pub async fn run<B: Backend + Clone>(
     }
 }
 
+pub use migrate::MigrateArgs;
 pub use produce::{parse_fraction, run as produce};
 pub use relay::{run as relay, RelayArgs};
 

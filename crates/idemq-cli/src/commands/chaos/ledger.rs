@@ -90,8 +90,15 @@ impl<DB: SqlDatabase> SqlCell for SqlStore<DB> {
 
 /// A SQL store of the cell, boxed.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-async fn sql_cell<DB: SqlDatabase>(url: &StoreUrl, prefix: &str) -> Result<CellStore> {
-    let options = idemq::store::sql::SqlOptions::default().table_prefix(prefix);
+async fn sql_cell<DB: SqlDatabase>(
+    url: &StoreUrl,
+    prefix: &str,
+    partitioned_inbox: Option<std::time::Duration>,
+) -> Result<CellStore> {
+    let mut options = idemq::store::sql::SqlOptions::default().table_prefix(prefix);
+    if let Some(interval) = partitioned_inbox {
+        options = options.partitioned_inbox(idemq::store::sql::InboxPartitions::every(interval));
+    }
     let store = SqlStore::<DB>::connect_with(&url.url, options)
         .await
         .with_context(|| format!("connecting to {url}"))?;
@@ -139,14 +146,27 @@ fn mongo_collection(
 
 impl CellStore {
     /// Connects to the store `url` names with the cell's table prefix.
-    pub async fn connect(url: &StoreUrl, prefix: &str) -> Result<Self> {
+    pub async fn connect(
+        url: &StoreUrl,
+        prefix: &str,
+        partitioned_inbox: Option<std::time::Duration>,
+    ) -> Result<Self> {
+        #[cfg(feature = "postgres")]
+        let postgres = url.kind == Kind::Postgres;
+        #[cfg(not(feature = "postgres"))]
+        let postgres = false;
+        if partitioned_inbox.is_some() && !postgres {
+            anyhow::bail!(crate::exit::usage(format!(
+                "--partitioned-inbox needs a postgres:// store, not {url}"
+            )));
+        }
         match url.kind {
             #[cfg(feature = "sqlite")]
-            Kind::Sqlite => sql_cell::<sqlx::Sqlite>(url, prefix).await,
+            Kind::Sqlite => sql_cell::<sqlx::Sqlite>(url, prefix, None).await,
             #[cfg(feature = "postgres")]
-            Kind::Postgres => sql_cell::<sqlx::Postgres>(url, prefix).await,
+            Kind::Postgres => sql_cell::<sqlx::Postgres>(url, prefix, partitioned_inbox).await,
             #[cfg(feature = "mysql")]
-            Kind::MySql => sql_cell::<sqlx::MySql>(url, prefix).await,
+            Kind::MySql => sql_cell::<sqlx::MySql>(url, prefix, None).await,
             #[cfg(feature = "redis")]
             Kind::Redis => {
                 use idemq::store::redis::{RedisOptions, RedisStore};

@@ -140,6 +140,12 @@ pub struct ChaosArgs {
     #[arg(long, requires = "watermark")]
     concurrent_records: bool,
 
+    /// The cell's inbox is time-partitioned, one partition per DURATION
+    /// (PostgreSQL; `migrate --partitioned-inbox`): short partitions put
+    /// the kills and duplicates across partition boundaries.
+    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    partitioned_inbox: Option<Duration>,
+
     /// Lease of the lease stores' claims (Redis, MongoDB; short, so a killed holder's keys free up soon).
     #[arg(long, default_value = "2s", value_name = "DURATION", value_parser = humantime::parse_duration)]
     lease: Duration,
@@ -440,7 +446,7 @@ impl CellRun<'_> {
             )));
         }
         let prefix = format!("chaos_{run}_");
-        let store = CellStore::connect(self.store_url, &prefix).await?;
+        let store = CellStore::connect(self.store_url, &prefix, args.partitioned_inbox).await?;
         // Batches run on every cell store: one transaction with savepoints
         // on SQL, a round trip of leases each way on Redis.
         if args.watermark && !store.is_sql() {
@@ -482,8 +488,16 @@ impl CellRun<'_> {
                 .display
                 .split(':')
                 .next()
-                .unwrap_or_default()
-                .to_owned(),
+                .map(|scheme| match args.partitioned_inbox {
+                    Some(interval) => {
+                        format!(
+                            "{scheme} (partitioned {})",
+                            humantime::format_duration(interval)
+                        )
+                    }
+                    None => scheme.to_owned(),
+                })
+                .unwrap_or_default(),
             messages: plan.orders.len(),
             same_id: plan.same_id,
             new_id: plan.new_id,
@@ -1052,7 +1066,7 @@ mod tests {
         let url: StoreUrl = format!("sqlite://{}", dir.path().join("c.db").display())
             .parse()
             .unwrap();
-        let store = CellStore::connect(&url, "t_").await.unwrap();
+        let store = CellStore::connect(&url, "t_", None).await.unwrap();
         store.prepare("t_ledger").await.unwrap();
         let mut rng = fastrand::Rng::with_seed(3);
         let plan = Plan::generate("x", 3, 0.0, 0.0, 2, &mut rng);
