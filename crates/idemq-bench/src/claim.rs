@@ -65,7 +65,7 @@ async fn preload(store: &PostgresStore, n: u64) -> anyhow::Result<()> {
 }
 
 /// Sequential claims of fresh keys, each rolled back: µs per claim.
-async fn claim_cost(store: &PostgresStore, n: u64) -> anyhow::Result<f64> {
+pub(crate) async fn claim_cost(store: &PostgresStore, n: u64) -> anyhow::Result<f64> {
     let keys: Vec<String> = (0..n).map(|_| payment_key()).collect();
     let fingerprint = "f".repeat(64);
     let started = Instant::now();

@@ -11,6 +11,10 @@
 //!   per message and with `--batch 100`, whole process;
 //! - claim cost with 0 / small / large key counts already stored (PostgreSQL),
 //!   and prune rows/s;
+//! - the time-partitioned inbox (PostgreSQL): claim cost with 10 M (100 M
+//!   with `--full`) keys over ten daily partitions beside an empty one, the
+//!   drop of a day, and the inbox's size over a simulated week beside the
+//!   one-table layout;
 //! - Redis: the lease store beside raw `SET NX PX`;
 //! - the in-memory store beside a bare queue drain;
 //! - end to end: JSON lines and each reachable broker (RabbitMQ, Kafka, NATS
@@ -28,6 +32,7 @@ mod batch;
 mod claim;
 mod e2e;
 mod lease;
+mod partitioned;
 mod peers;
 mod relay;
 mod report;
@@ -150,9 +155,17 @@ pub struct Config {
     /// The larger preload of the claim-cost rows; it is also what prune deletes.
     #[arg(long, default_value_t = 1_000_000)]
     pub preload_large: u64,
-    /// The full run: preloads of 1 M and 10 M keys (overrides the two above).
+    /// The full run: preloads of 1 M and 10 M keys (overrides the two
+    /// above), 100 M keys in the partitioned inbox.
     #[arg(long)]
     pub full: bool,
+    /// Keys preloaded into the partitioned inbox's claim-cost row, over ten
+    /// daily partitions.
+    #[arg(long, default_value_t = 10_000_000)]
+    pub partitioned_keys: u64,
+    /// Claims per simulated day of the partitioned inbox's week.
+    #[arg(long, default_value_t = 100_000)]
+    pub week_rows_per_day: u64,
     /// Rows per prune batch.
     #[arg(long, default_value_t = 10_000)]
     pub prune_batch: u32,
@@ -202,11 +215,12 @@ pub struct Config {
     #[arg(long, env = "IDEMQ_BENCH_CLI")]
     pub cli: Option<std::path::PathBuf>,
 
-    /// Sections to run, comma-separated: sql, batch, claim, redis, cluster, memory, e2e, relay, peers.
+    /// Sections to run, comma-separated: sql, batch, claim, partitioned,
+    /// redis, cluster, memory, e2e, relay, peers.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "sql,batch,claim,redis,memory,e2e,relay,peers"
+        default_value = "sql,batch,claim,partitioned,redis,memory,e2e,relay,peers"
     )]
     pub only: Vec<String>,
 }
@@ -379,6 +393,7 @@ async fn main() -> anyhow::Result<()> {
     if cfg.full {
         cfg.preload_small = 1_000_000;
         cfg.preload_large = 10_000_000;
+        cfg.partitioned_keys = 100_000_000;
     }
     anyhow::ensure!(cfg.rounds >= 1, "--rounds must be at least 1");
     anyhow::ensure!(
@@ -409,6 +424,13 @@ async fn main() -> anyhow::Result<()> {
     }
     if cfg.runs("claim") {
         rows.extend(claim::rows(&cfg).await.context("claim-cost rows")?);
+    }
+    if cfg.runs("partitioned") {
+        rows.extend(
+            partitioned::rows(&cfg)
+                .await
+                .context("partitioned-inbox rows")?,
+        );
     }
     if cfg.runs("redis") {
         let (r, v) = lease::redis_rows(&cfg).await.context("Redis rows")?;
@@ -442,7 +464,11 @@ async fn main() -> anyhow::Result<()> {
         versions.extend(v);
     }
     if versions.iter().all(|(w, _)| !w.starts_with("PostgreSQL"))
-        && (cfg.runs("claim") || cfg.runs("e2e") || cfg.runs("relay") || cfg.runs("peers"))
+        && (cfg.runs("claim")
+            || cfg.runs("partitioned")
+            || cfg.runs("e2e")
+            || cfg.runs("relay")
+            || cfg.runs("peers"))
     {
         if let Ok(v) = sql::postgres_version(&cfg.postgres).await {
             versions.push(v);
