@@ -352,6 +352,76 @@ async fn retention_drops_partitions_while_consumers_run() {
     cleanup(&store, &prefix).await;
 }
 
+/// Two engine consumers compete for a workload with redeliveries, producer
+/// retries and poison, fed over about four seconds, while retention drops
+/// the partitions older than two seconds: every payment applied once, the
+/// poison dead-lettered, and partitions dropped during the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retention_drops_partitions_while_engine_consumers_run() {
+    use idemq::source::queue::MemoryQueue;
+    let ledger = support::Ledger::partitioned(Duration::from_secs(1)).await;
+    let work = support::workload(1_500, 5);
+    let queue = MemoryQueue::new("payments");
+    let plan = Arc::new(support::Plan::default());
+    let consumers: Vec<_> = (0..2)
+        .map(|_| {
+            ledger
+                .consumer("payments", Arc::clone(&plan))
+                .concurrency(8)
+                .build()
+                .expect("consumer")
+        })
+        .collect();
+    let feeder = {
+        let (queue, messages) = (queue.clone(), work.messages.clone());
+        tokio::spawn(async move {
+            for slice in messages.chunks(60) {
+                for message in slice {
+                    queue.push(message.clone());
+                }
+                tokio::time::sleep(Duration::from_millis(150)).await;
+            }
+            queue.close();
+        })
+    };
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pruner = {
+        let (store, done) = (ledger.store.clone(), Arc::clone(&done));
+        tokio::spawn(async move {
+            let mut pruned = 0;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                let cutoff = now_ms() - 2 * STEP_MS;
+                pruned += idemq::retention::prune_before(&store, cutoff, 10_000, Duration::ZERO)
+                    .await
+                    .expect("prune");
+            }
+            pruned
+        })
+    };
+    let runs: Vec<_> = consumers
+        .into_iter()
+        .map(|c| {
+            let source = queue.source();
+            tokio::spawn(async move { c.run(source).await })
+        })
+        .collect();
+    for run in runs {
+        run.await.unwrap().expect("consumer run");
+    }
+    feeder.await.unwrap();
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let pruned = pruner.await.unwrap();
+    ledger.assert_exactly_once(&work.expected).await;
+    support::assert_dead_lettered(
+        &ledger.dead_letters().await,
+        &work.poison,
+        &idemq::DeadLetterReason::PermanentFailure,
+    );
+    assert!(pruned > 0, "no partition was dropped during the run");
+    ledger.cleanup().await;
+}
+
 /// An inbox created as one table stays one table: asking for partitions
 /// later is a configuration error, not a silent conversion.
 #[tokio::test]

@@ -104,10 +104,24 @@ impl Ledger {
 
     /// Fresh tables for one test, on the PostgreSQL of `url`.
     pub async fn at(url: &str) -> Self {
+        Self::with_options(url, |options| options).await
+    }
+
+    /// Fresh tables for one test with a time-partitioned inbox of
+    /// `interval` partitions.
+    pub async fn partitioned(interval: Duration) -> Self {
+        Self::with_options(&postgres_url(), |options| {
+            options.partitioned_inbox(idemq::store::sql::InboxPartitions::every(interval))
+        })
+        .await
+    }
+
+    async fn with_options(url: &str, options: impl FnOnce(SqlOptions) -> SqlOptions) -> Self {
         let prefix = format!("{}_", unique("t"));
-        let store = PostgresStore::connect_with(url, SqlOptions::default().table_prefix(&prefix))
-            .await
-            .expect("connect to PostgreSQL");
+        let store =
+            PostgresStore::connect_with(url, options(SqlOptions::default().table_prefix(&prefix)))
+                .await
+                .expect("connect to PostgreSQL");
         store.migrate().await.expect("migrate");
         let ledger = format!("{prefix}ledger");
         sqlx::query(&format!(
@@ -219,6 +233,13 @@ impl Ledger {
             let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
                 .execute(self.store.pool())
                 .await;
+        }
+        // A partitioned inbox's layout row and claim function.
+        for sql in [
+            format!("DROP TABLE IF EXISTS {prefix}inbox_layout"),
+            format!("DROP FUNCTION IF EXISTS {prefix}inbox_claim"),
+        ] {
+            let _ = sqlx::query(&sql).execute(self.store.pool()).await;
         }
     }
 }
