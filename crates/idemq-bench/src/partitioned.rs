@@ -108,55 +108,74 @@ fn day_start(days: i64) -> i64 {
     (now_ms().div_euclid(DAY_MS) - days) * DAY_MS
 }
 
-/// Claim cost at 0 and at `cfg.partitioned_keys` keys, and the drop of the
-/// oldest day.
+/// Claim cost at 0 and at `cfg.partitioned_keys` keys (both over the same
+/// ten past days' partitions, plus today's and those ahead), beside a fresh
+/// inbox (today's and those ahead only), and the drop of the oldest day.
 async fn claim_and_drop_rows(cfg: &Config) -> anyhow::Result<Vec<Row>> {
+    let fresh = store(cfg, "pn", true).await?;
     let empty = store(cfg, "pe", true).await?;
     let full = store(cfg, "pf", true).await?;
     let result = async {
         let per_day = cfg.partitioned_keys / PRELOAD_DAYS as u64;
+        let oldest = day_start(PRELOAD_DAYS);
         let started = Instant::now();
-        for d in 1..=PRELOAD_DAYS {
-            attach_day(&full, day_start(d), per_day).await?;
+        for d in 0..PRELOAD_DAYS {
+            let start = oldest + d * DAY_MS;
+            attach_day(&empty, start, 0).await?;
+            attach_day(&full, start, per_day).await?;
             progress!(
-                "partitioned: preloaded day {d}/{PRELOAD_DAYS} ({} keys) at {:.0} s",
+                "partitioned: preloaded day {}/{PRELOAD_DAYS} ({} keys) at {:.0} s",
+                d + 1,
                 keys(per_day),
                 started.elapsed().as_secs_f64()
             );
         }
-        let sets = [&empty, &full];
+        let sets = [&fresh, &empty, &full];
         for set in sets {
             claim_cost(set, cfg.claims.min(200)).await?;
         }
-        let mut us = [Vec::new(), Vec::new()];
+        let mut us = [Vec::new(), Vec::new(), Vec::new()];
         for r in 0..cfg.rounds {
-            for k in 0..2 {
-                let i = (k + r) % 2;
+            for k in 0..sets.len() {
+                let i = (k + r) % sets.len();
                 let cost = claim_cost(sets[i], cfg.claims).await?;
                 progress!("partitioned round {}: set {i}: {cost:.1} µs/claim", r + 1);
                 us[i].push(cost);
             }
         }
-        let growth = paired(&us[1], &us[0]);
+        let partitions = PRELOAD_DAYS + 1 + i64::from(InboxPartitions::daily().ahead);
+        let growth = paired(&us[2], &us[1]);
         let mut rows = vec![
             Row::new(
                 SECTION,
-                "claim + rollback of a new key, 0 keys stored, sequential",
+                format!(
+                    "claim + rollback of a new key, fresh inbox ({} partitions), sequential",
+                    1 + InboxPartitions::daily().ahead
+                ),
                 cfg.claims,
                 median(&us[0]),
                 "µs/claim",
             ),
             Row::new(
                 SECTION,
-                format!(
-                    "claim + rollback of a new key, {} keys in {PRELOAD_DAYS} daily partitions, sequential",
-                    keys(cfg.partitioned_keys)
-                ),
+                format!("claim + rollback of a new key, 0 keys in {partitions} partitions, sequential"),
                 cfg.claims,
                 median(&us[1]),
                 "µs/claim",
             )
-            .ratio_of(growth, "cost at 0")
+            .ratio_of(paired(&us[1], &us[0]), "fresh inbox"),
+            Row::new(
+                SECTION,
+                format!(
+                    "claim + rollback of a new key, {} keys in {partitions} partitions ({PRELOAD_DAYS} days of {}), sequential",
+                    keys(cfg.partitioned_keys),
+                    keys(per_day)
+                ),
+                cfg.claims,
+                median(&us[2]),
+                "µs/claim",
+            )
+            .ratio_of(growth, "0 keys in as many partitions")
             .target(
                 format!(
                     "≤ {CLAIM_GROWTH_TARGET}× cost at 0 keys{}",
@@ -170,7 +189,7 @@ async fn claim_and_drop_rows(cfg: &Config) -> anyhow::Result<Vec<Row>> {
             ),
         ];
         // Retention: the oldest day goes, whole.
-        let cutoff = day_start(PRELOAD_DAYS) + DAY_MS;
+        let cutoff = oldest + DAY_MS;
         let started = Instant::now();
         let dropped =
             idemq::retention::prune_before(&full, cutoff, cfg.prune_batch, Duration::ZERO).await?;
@@ -204,8 +223,9 @@ async fn claim_and_drop_rows(cfg: &Config) -> anyhow::Result<Vec<Row>> {
         Ok(rows)
     }
     .await;
-    drop_store(&empty).await;
-    drop_store(&full).await;
+    for set in [&fresh, &empty, &full] {
+        drop_store(set).await;
+    }
     result
 }
 

@@ -306,8 +306,19 @@ macro_rules! concrete_io {
 }
 pub(crate) use concrete_io;
 
+/// A pooled connection idle at least this long is pinged before use.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+const PING_IF_IDLE_FOR: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Opens the pool of a server database (PostgreSQL, MySQL/MariaDB): 10
 /// connections unless the options say otherwise.
+///
+/// sqlx pings every connection it hands out by default: a round trip per
+/// transaction. Only a connection idle for [`PING_IF_IDLE_FOR`] is pinged
+/// here (a server or proxy may have closed it meanwhile; one that fails the
+/// ping is closed and another taken); a connection lost otherwise fails its
+/// first statement with an I/O error, which is transient: the message is
+/// retried.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn connect_server<'a, DB: sqlx::Database>(
     url: &'a str,
@@ -317,6 +328,15 @@ pub(crate) fn connect_server<'a, DB: sqlx::Database>(
         sqlx::pool::PoolOptions::<DB>::new()
             .max_connections(options.max_connections.unwrap_or(10))
             .acquire_timeout(options.acquire_timeout)
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for < PING_IF_IDLE_FOR {
+                        return Ok(true);
+                    }
+                    Ok(sqlx::Connection::ping(conn).await.is_ok())
+                })
+            })
             .connect(url),
     )
 }
