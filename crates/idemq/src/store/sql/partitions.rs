@@ -114,6 +114,10 @@ pub(super) enum Layout {
 /// The advisory lock key that serialises partition maintenance (and
 /// migrations, which use the same key).
 const MAINTENANCE_LOCK: &str = "SELECT pg_advisory_xact_lock(7243219087)";
+/// Partitions estimated below this many rows are counted before they are
+/// dropped; larger ones report PostgreSQL's estimate.
+const EXACT_BELOW: i64 = 1_000_000;
+
 /// The session lock that keeps two pruners from detaching the same partition.
 const DROP_LOCK: &str = "SELECT pg_advisory_lock(7243219088)";
 
@@ -319,8 +323,9 @@ impl PartitionSql {
     }
 
     /// Detaches and drops every partition whose whole range is before
-    /// `cutoff_ms`; returns the rows they held (PostgreSQL's estimate as
-    /// of the partition's last analyze; counted if it was never analyzed). Runs on a connection of its own,
+    /// `cutoff_ms`; returns the rows they held (counted below a million
+    /// rows; above, PostgreSQL's estimate as of the partition's last
+    /// analyze). Runs on a connection of its own,
     /// closed afterwards, under a session lock that keeps two pruners apart.
     pub(super) async fn drop_before<DB: SqlDatabase>(
         &self,
@@ -349,9 +354,10 @@ impl PartitionSql {
                 continue;
             }
             let name = &partition.name;
-            // Counted only where PostgreSQL has no estimate: a count reads
-            // the whole partition.
-            let held = if partition.rows >= 0 {
+            // PostgreSQL's estimate for a large partition (a count reads it
+            // whole); a count where there is no estimate or it is small (a
+            // small partition's estimate may predate its last rows).
+            let held = if partition.rows >= EXACT_BELOW {
                 partition.rows
             } else {
                 let count = format!("SELECT COUNT(*) FROM {name}");
