@@ -195,12 +195,7 @@ impl<DB: SqlDatabase> SqlStore<DB> {
                 continue;
             }
             let sql = self.batch.set_results(chunk.len());
-            let binds: Vec<Bind<'_>> = chunk
-                .iter()
-                .flat_map(|(key, text)| [Bind::Text(key), Bind::Text(text)])
-                .chain(std::iter::once(Bind::Text(consumer)))
-                .chain(chunk.iter().map(|(key, _)| Bind::Text(key)))
-                .collect();
+            let binds = self.batch.results_binds(consumer, chunk);
             DB::execute(&mut tx, &sql, &binds)
                 .await
                 .map_err(store_error)?;

@@ -227,15 +227,54 @@ impl BatchQueries {
         !matches!(self.dialect, Dialect::MySql)
     }
 
-    /// Stores the results of `n` keys of one consumer in one statement.
-    /// Binds: (key, result) per key, then the consumer, then the keys.
+    /// Stores the results of `n` keys of one consumer in one statement;
+    /// bind [`results_binds`](Self::results_binds).
     pub fn set_results(&self, n: usize) -> String {
-        let (inbox, keys) = (&self.inbox, Self::key_list(n));
-        let cases = vec!["WHEN ? THEN ?"; n].join(" ");
-        self.finish(format!(
-            "UPDATE {inbox} SET result_json = CASE msg_key {cases} END \
-             WHERE consumer = ? AND msg_key IN ({keys})"
-        ))
+        let inbox = &self.inbox;
+        self.finish(match self.dialect {
+            // Joined from a VALUES list on the whole primary key, so that
+            // no estimate of the consumer's row count is needed: with
+            // `consumer = ? AND msg_key IN (…)` a fresh, not yet analysed
+            // inbox was planned as a scan of all the consumer's rows, per
+            // batch.
+            Dialect::Postgres => {
+                let rows = vec!["(?, ?, ?)"; n].join(", ");
+                format!(
+                    "UPDATE {inbox} AS i SET result_json = v.r FROM (VALUES {rows}) AS v(c, k, r) \
+                     WHERE i.consumer = v.c AND i.msg_key = v.k"
+                )
+            }
+            _ => {
+                let keys = Self::key_list(n);
+                let cases = vec!["WHEN ? THEN ?"; n].join(" ");
+                format!(
+                    "UPDATE {inbox} SET result_json = CASE msg_key {cases} END \
+                     WHERE consumer = ? AND msg_key IN ({keys})"
+                )
+            }
+        })
+    }
+
+    /// The binds of [`set_results`](Self::set_results) for `results`
+    /// (key, result text) of `consumer`.
+    pub fn results_binds<'a>(
+        &self,
+        consumer: &'a str,
+        results: &'a [(&'a str, String)],
+    ) -> Vec<super::Bind<'a>> {
+        use super::Bind;
+        match self.dialect {
+            Dialect::Postgres => results
+                .iter()
+                .flat_map(|(key, text)| [Bind::Text(consumer), Bind::Text(key), Bind::Text(text)])
+                .collect(),
+            _ => results
+                .iter()
+                .flat_map(|(key, text)| [Bind::Text(key), Bind::Text(text)])
+                .chain(std::iter::once(Bind::Text(consumer)))
+                .chain(results.iter().map(|(key, _)| Bind::Text(key)))
+                .collect(),
+        }
     }
 
     /// Deletes the failed attempts of `n` keys. Binds: consumer, then the keys.
