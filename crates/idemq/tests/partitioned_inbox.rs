@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::sql::{InboxPartitions, SqlOptions};
-use idemq::store::{now_ms, Claim, ClaimRequest, Store, StoreAdmin};
+use idemq::store::{now_ms, Claim, Store, StoreAdmin};
 use idemq::StoreErrorKind;
 
 const STEP_MS: i64 = 1_000;
@@ -49,14 +49,7 @@ async fn cleanup(store: &PostgresStore, prefix: &str) {
     }
 }
 
-fn req(key: &str) -> ClaimRequest<'_> {
-    ClaimRequest {
-        consumer: "payments",
-        key,
-        fingerprint: "f",
-        lease: Duration::from_secs(30),
-    }
-}
+use support::claim_request as req;
 
 /// Sleeps until `margin_ms` into the next partition.
 async fn into_next_partition(margin_ms: i64) {
@@ -93,6 +86,42 @@ async fn apply(store: &PostgresStore, prefix: &str, key: &str) -> bool {
             Err(e) => panic!("claim {key}: {e}"),
         }
     }
+}
+
+/// Eight tasks applying `key-0`, `key-1`, … in the same order until
+/// `deadline`, so that each key is claimed by eight at about the same time;
+/// the handle's output is how many keys they applied in all.
+async fn claimers(
+    store: &PostgresStore,
+    prefix: &Arc<String>,
+    deadline: i64,
+) -> tokio::task::JoinHandle<usize> {
+    let tasks: Vec<_> = (0..8)
+        .map(|worker| {
+            let (store, prefix) = (store.clone(), Arc::clone(prefix));
+            tokio::spawn(async move {
+                let mut applied = 0;
+                let mut i = 0u64;
+                while now_ms() < deadline {
+                    if apply(&store, &prefix, &format!("key-{i}")).await {
+                        applied += 1;
+                    }
+                    i += 1;
+                    if worker % 2 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                }
+                applied
+            })
+        })
+        .collect();
+    tokio::spawn(async move {
+        let mut applied = 0;
+        for task in tasks {
+            applied += task.await.unwrap();
+        }
+        applied
+    })
 }
 
 async fn partition_count(store: &PostgresStore, prefix: &str) -> i64 {
@@ -199,31 +228,7 @@ async fn concurrent_copies_across_boundaries_apply_once() {
     let (store, prefix) = partitioned().await;
     let prefix = Arc::new(prefix);
     let deadline = now_ms() + 3 * STEP_MS;
-    let mut tasks = Vec::new();
-    for worker in 0..8 {
-        let (store, prefix) = (store.clone(), Arc::clone(&prefix));
-        tasks.push(tokio::spawn(async move {
-            let mut applied = Vec::new();
-            let mut i = 0u64;
-            while now_ms() < deadline {
-                // Every worker goes through the same keys, so each key is
-                // claimed by eight tasks at about the same time.
-                let key = format!("key-{i}");
-                if apply(&store, &prefix, &key).await {
-                    applied.push(key);
-                }
-                i += 1;
-                if worker % 2 == 0 {
-                    tokio::task::yield_now().await;
-                }
-            }
-            applied
-        }));
-    }
-    let mut applied = 0;
-    for task in tasks {
-        applied += task.await.unwrap().len();
-    }
+    let applied = claimers(&store, &prefix, deadline).await.await.unwrap();
     let ledger = ledger(&store, &prefix).await;
     assert!(applied > 50, "only {applied} keys applied");
     assert_eq!(ledger.len(), applied, "one ledger row per applied key");
@@ -296,21 +301,7 @@ async fn retention_drops_partitions_while_consumers_run() {
     let (store, prefix) = partitioned().await;
     let prefix = Arc::new(prefix);
     let deadline = now_ms() + 4 * STEP_MS;
-    let mut tasks = Vec::new();
-    for _ in 0..8 {
-        let (store, prefix) = (store.clone(), Arc::clone(&prefix));
-        tasks.push(tokio::spawn(async move {
-            let mut applied = 0usize;
-            let mut i = 0u64;
-            while now_ms() < deadline {
-                if apply(&store, &prefix, &format!("key-{i}")).await {
-                    applied += 1;
-                }
-                i += 1;
-            }
-            applied
-        }));
-    }
+    let claimers = claimers(&store, &prefix, deadline).await;
     let pruner = {
         let store = store.clone();
         tokio::spawn(async move {
@@ -326,10 +317,7 @@ async fn retention_drops_partitions_while_consumers_run() {
             pruned
         })
     };
-    let mut applied = 0;
-    for task in tasks {
-        applied += task.await.unwrap();
-    }
+    let applied = claimers.await.unwrap();
     let mut pruned = pruner.await.unwrap();
     // One more, after the claimers: nothing older than its cutoff's
     // partition may stay.

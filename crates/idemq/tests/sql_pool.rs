@@ -10,17 +10,10 @@ use std::time::Duration;
 
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::sql::SqlOptions;
-use idemq::store::{Claim, ClaimRequest, Store, StoreAdmin};
+use idemq::store::{Claim, Store, StoreAdmin};
 use idemq::StoreErrorKind;
 
-fn req(key: &str) -> ClaimRequest<'_> {
-    ClaimRequest {
-        consumer: "payments",
-        key,
-        fingerprint: "f",
-        lease: Duration::from_secs(30),
-    }
-}
+use support::claim_request as req;
 
 #[tokio::test]
 async fn a_connection_dropped_in_the_pool_costs_one_transient_claim() {
@@ -70,14 +63,7 @@ async fn a_connection_dropped_in_the_pool_costs_one_transient_claim() {
         store.claim(&req("order-1")).await.unwrap(),
         Claim::Done(_)
     ));
-    for table in [
-        "inbox",
-        "attempts",
-        "dead_letters",
-        "schema_migrations",
-        "offsets",
-        "effects",
-    ] {
+    for table in support::TEST_TABLES.iter().chain(&["effects"]) {
         sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
             .execute(&admin)
             .await

@@ -20,7 +20,7 @@ use async_trait::async_trait;
 use idemq::source::{Acknowledger, Delivery, Publisher, Source};
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::sql::SqlOptions;
-use idemq::store::{DeadLetterRecord, Store, StoreAdmin};
+use idemq::store::{ClaimRequest, DeadLetterRecord, Store, StoreAdmin};
 use idemq::DeadLetterReason;
 use idemq::{
     handler_fn, Consumer, ConsumerBuilder, HandlerError, HandlerResult, KeySpec, Message, Outcome,
@@ -241,6 +241,16 @@ impl Ledger {
         ] {
             let _ = sqlx::query(&sql).execute(self.store.pool()).await;
         }
+    }
+}
+
+/// A claim of `key` by the consumer `payments` (SQL stores ignore the lease).
+pub fn claim_request(key: &str) -> ClaimRequest<'_> {
+    ClaimRequest {
+        consumer: "payments",
+        key,
+        fingerprint: "f",
+        lease: Duration::from_secs(30),
     }
 }
 
