@@ -185,6 +185,9 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         } else {
             1
         };
+        if let (Some(pin), true) = (self.batch.pin_result_plan(), results.len() > 1) {
+            DB::execute(&mut tx, pin, &[]).await.map_err(store_error)?;
+        }
         for chunk in results.chunks(per_statement) {
             if let [(key, text)] = chunk {
                 let result_sql = &self.queries.set_result;

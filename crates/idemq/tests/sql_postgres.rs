@@ -1,0 +1,195 @@
+//! PostgreSQL store specifics that cost round trips or scans:
+//!
+//! - the pool does not ping a connection on every acquire (a round trip per
+//!   transaction): a connection the server dropped while it sat in the pool
+//!   fails its next claim with a transient error, and the claim after that
+//!   runs on a new connection. Nothing is claimed twice.
+//! - a batch's results reach a fresh, never analysed inbox by primary-key
+//!   probes, not by a scan of the whole table per batch.
+#![cfg(feature = "postgres")]
+
+mod support;
+
+use std::time::Duration;
+
+use idemq::engine::BatchOptions;
+use idemq::source::queue::MemoryQueue;
+use idemq::store::sql::postgres::PostgresStore;
+use idemq::store::sql::SqlOptions;
+use idemq::store::{Claim, Store, StoreAdmin};
+use idemq::{Consumer, KeySpec, Message, OutcomeKind, StoreErrorKind};
+
+use support::claim_request as req;
+
+#[tokio::test]
+async fn a_connection_dropped_in_the_pool_costs_one_transient_claim() {
+    let prefix = format!("{}_", support::unique("pool"));
+    let store = PostgresStore::connect_with(
+        &support::postgres_url(),
+        SqlOptions::default()
+            .table_prefix(&prefix)
+            .max_connections(1),
+    )
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    let Claim::New(tx) = store.claim(&req("order-1")).await.unwrap() else {
+        panic!("new key");
+    };
+    store.commit(tx, &req("order-1"), None).await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    let admin = sqlx::PgPool::connect(&support::postgres_url())
+        .await
+        .unwrap();
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert!(killed);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let mut transient = 0;
+    let claim = loop {
+        match store.claim(&req("order-2")).await {
+            Ok(claim) => break claim,
+            Err(e) if e.kind() == StoreErrorKind::Transient => transient += 1,
+            Err(e) => panic!("{e}"),
+        }
+        assert!(transient <= 1, "more than one claim failed");
+    };
+    let Claim::New(tx) = claim else {
+        panic!("new key");
+    };
+    store.commit(tx, &req("order-2"), None).await.unwrap();
+    assert!(matches!(
+        store.claim(&req("order-1")).await.unwrap(),
+        Claim::Done(_)
+    ));
+    for table in support::TEST_TABLES.iter().chain(&["effects"]) {
+        sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
+            .execute(&admin)
+            .await
+            .unwrap();
+    }
+}
+
+/// The inbox's scan counters, once the statistics of `inserted` rows and
+/// `updated` row updates have reached the shared statistics and those of
+/// every other statement before them have too (backends flush them when
+/// idle, at most once a second: another connection's may come a second later).
+async fn scans_after(pool: &sqlx::PgPool, inbox: &str, inserted: i64, updated: i64) -> (i64, i64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (seq, idx, ins, upd): (i64, i64, i64, i64) = sqlx::query_as(
+            "SELECT seq_scan, COALESCE(idx_scan, 0), n_tup_ins, n_tup_upd FROM pg_stat_user_tables WHERE relname = $1",
+        )
+        .bind(inbox)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if ins >= inserted && upd >= updated {
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+            return sqlx::query_as(
+                "SELECT seq_scan, COALESCE(idx_scan, 0) FROM pg_stat_user_tables WHERE relname = $1",
+            )
+            .bind(inbox)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{ins} of {inserted} inserts, {upd} of {updated} updates counted"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test]
+async fn batch_results_reach_a_fresh_inbox_by_key_not_by_scan() {
+    const ROWS: i64 = 20_000;
+    const BATCH: usize = 100;
+    let prefix = format!("{}_", support::unique("plan"));
+    let store = PostgresStore::connect_with(
+        &support::postgres_url(),
+        SqlOptions::default().table_prefix(&prefix),
+    )
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    let inbox = store.tables().inbox.clone();
+    // A fresh inbox of 20 000 rows that autovacuum has not analysed: the
+    // size at which the planner, left alone, hashes a scan of all of it.
+    sqlx::query(&format!(
+        "ALTER TABLE {inbox} SET (autovacuum_enabled = false)"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {inbox} (consumer, msg_key, fingerprint, result_json, created_at) \
+         SELECT 'plan', 'old-' || g, 'f', NULL, 1 FROM generate_series(1, {ROWS}) g"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let (seq_before, idx_before) = scans_after(store.pool(), &inbox, ROWS, 0).await;
+
+    let consumer = Consumer::builder("plan", store.clone())
+        .key(KeySpec::json("/id"))
+        .handler_fn(|ctx, _tx| {
+            let key = ctx.key.to_owned();
+            Box::pin(async move { Ok(Some(serde_json::json!({ "done": key }))) })
+        })
+        .build()
+        .unwrap();
+    let queue = MemoryQueue::new("plan");
+    for i in 0..BATCH * 3 {
+        queue.push(Message::new(format!(r#"{{"id":"new-{i}"}}"#)));
+    }
+    queue.close();
+    let summary = consumer
+        .run_batched(
+            queue.source(),
+            BatchOptions::new(BATCH, Duration::from_millis(50)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        summary.count(OutcomeKind::Processed),
+        (BATCH * 3) as u64,
+        "{summary}"
+    );
+
+    let (seq_after, idx_after) = scans_after(
+        store.pool(),
+        &inbox,
+        ROWS + (BATCH * 3) as i64,
+        (BATCH * 3) as i64,
+    )
+    .await;
+    assert_eq!(
+        seq_after - seq_before,
+        0,
+        "no batch statement scans the inbox ({} index scans)",
+        idx_after - idx_before
+    );
+    let stored: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {inbox} WHERE result_json IS NOT NULL"
+    ))
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(stored, (BATCH * 3) as i64, "every result stored");
+
+    for table in support::TEST_TABLES.iter().chain(&["effects"]) {
+        sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
+            .execute(store.pool())
+            .await
+            .unwrap();
+    }
+}
