@@ -413,6 +413,11 @@ async fn main() -> anyhow::Result<()> {
         let (r, _, v) = sql::mysql_rows(&cfg).await.context("MariaDB rows")?;
         rows.extend(r);
         versions.push(v);
+        notes.push(
+            sql::mysql_profile(&cfg)
+                .await
+                .context("MariaDB server counters")?,
+        );
         let (r, _, v) = sql::sqlite_rows(&cfg).await.context("SQLite rows")?;
         rows.extend(r);
         versions.push(v);

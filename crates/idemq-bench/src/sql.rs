@@ -469,3 +469,88 @@ pub async fn sqlite_rows(cfg: &Config) -> anyhow::Result<(Vec<Row>, f64, (String
         ),
     ))
 }
+
+/// MariaDB's server-side counters (`SHOW GLOBAL STATUS`) read around one
+/// bare and one idemq per-message run of `cfg.messages` each: what each side
+/// costs the server per message (statements, transactions, redo log writes),
+/// and one round trip's time on the same pool. The note says what bounds
+/// the per-message ratio.
+pub async fn mysql_profile(cfg: &Config) -> anyhow::Result<String> {
+    use idemq::store::sql::mysql::MySqlStore;
+    const COUNTERS: [&str; 7] = [
+        "Questions",
+        "Com_begin",
+        "Com_commit",
+        "Com_stmt_execute",
+        "Com_insert",
+        "Com_delete",
+        "Innodb_log_writes",
+    ];
+    async fn status(pool: &sqlx::MySqlPool) -> anyhow::Result<Vec<i64>> {
+        let rows: Vec<(String, String)> =
+            sqlx::query_as("SHOW GLOBAL STATUS").fetch_all(pool).await?;
+        Ok(COUNTERS
+            .iter()
+            .map(|name| {
+                rows.iter()
+                    .find(|(n, _)| n.eq_ignore_ascii_case(name))
+                    .and_then(|(_, v)| v.parse().ok())
+                    .unwrap_or(0)
+            })
+            .collect())
+    }
+    progress!("MariaDB: server counters per message, bare vs idemq");
+    let store = MySqlStore::connect_with(
+        &cfg.mysql,
+        SqlOptions::default()
+            .table_prefix(prefix("myp"))
+            .max_connections(cfg.pool),
+    )
+    .await?;
+    let ledger = mysql::setup(&store).await?;
+    let consumer = mysql::consumer(&store, &ledger, cfg.concurrency)?;
+    let n = cfg.messages;
+    let result = async {
+        let mut conn = store.pool().acquire().await?;
+        let trips = 2_000u32;
+        let started = Instant::now();
+        for _ in 0..trips {
+            sqlx::query("SELECT 1").execute(&mut *conn).await?;
+        }
+        let round_trip = started.elapsed() / trips;
+        drop(conn);
+        let mut lines = Vec::new();
+        for bare_turn in [true, false] {
+            mysql::clear(&store, &ledger).await?;
+            let before = status(store.pool()).await?;
+            let rate = if bare_turn {
+                mysql::bare(store.pool(), &ledger, n, cfg.concurrency).await?
+            } else {
+                mysql::idemq(&consumer, n).await?
+            };
+            let after = status(store.pool()).await?;
+            let per: Vec<String> = COUNTERS
+                .iter()
+                .zip(before.iter().zip(&after))
+                .map(|(name, (b, a))| format!("{name} {:.2}", (a - b) as f64 / n as f64))
+                .collect();
+            lines.push(format!(
+                "{} {rate:.0} msg/s: {}",
+                if bare_turn { "bare" } else { "idemq" },
+                per.join(", ")
+            ));
+        }
+        Ok::<_, anyhow::Error>(format!(
+            "MariaDB server counters per message ({n} messages, {} in flight; the two \
+             `SHOW GLOBAL STATUS` reads count once each): {}. One `SELECT 1` round trip on \
+             this pool, sequential: {:.0} µs.",
+            cfg.concurrency,
+            lines.join("; "),
+            round_trip.as_secs_f64() * 1e6
+        ))
+    }
+    .await;
+    mysql::teardown(&store, &ledger).await;
+    store.pool().close().await;
+    result
+}
