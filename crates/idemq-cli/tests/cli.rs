@@ -942,6 +942,7 @@ async fn consume_into_a_partitioned_postgres_inbox() {
     for sql in [
         format!("DROP TABLE IF EXISTS {prefix}inbox_layout, {prefix}effects"),
         format!("DROP FUNCTION IF EXISTS {prefix}inbox_claim"),
+        format!("DROP FUNCTION IF EXISTS {prefix}effects_put"),
     ] {
         sqlx::raw_sql(&sql).execute(&pool).await.expect(&sql);
     }

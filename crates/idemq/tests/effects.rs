@@ -82,6 +82,12 @@ trait Env: Send + Sync + 'static {
     /// The consumer's business rows (`None` for lease stores, whose writes
     /// are their own).
     fn ledger<'a>(&'a self, consumer: &'a str) -> BoxFuture<'a, Option<Vec<(String, String)>>>;
+    /// How long after its last write a row is past a cutoff of "now" for
+    /// retention: zero, but a partition's length on a partitioned store
+    /// (retention drops whole partitions).
+    fn retention_step(&self) -> Duration {
+        Duration::ZERO
+    }
 }
 
 fn consumer<E: Env>(
@@ -272,7 +278,7 @@ async fn two_steps_and_pruning<E: Env>(env: &E) {
         .await
         .unwrap();
     assert!(journal.get(&name, "p-3", "charge").await.unwrap().is_some());
-    tokio::time::sleep(Duration::from_millis(5)).await;
+    tokio::time::sleep(Duration::from_millis(5) + env.retention_step()).await;
     let pruned = retention::prune_before(&**store, now_ms(), 100, Duration::ZERO)
         .await
         .unwrap();
@@ -320,12 +326,16 @@ macro_rules! sql_env {
         struct $name<Keep: Send + Sync + 'static> {
             store: $store,
             _keep: Keep,
+            retention_step: Duration,
         }
 
         impl<Keep: Send + Sync + 'static> Env for $name<Keep> {
             type S = $store;
             fn store(&self) -> $store {
                 self.store.clone()
+            }
+            fn retention_step(&self) -> Duration {
+                self.retention_step
             }
             fn write() -> Write<sqlx::Transaction<'static, $db>> {
                 |tx, consumer, key, charge| {
@@ -381,7 +391,11 @@ async fn effects_on_sqlite() {
     let store = SqliteStore::connect(&url).await.unwrap();
     store.migrate().await.unwrap();
     sqlx::query(LEDGER_DDL).execute(store.pool()).await.unwrap();
-    let env = Sqlite { store, _keep: dir };
+    let env = Sqlite {
+        store,
+        _keep: dir,
+        retention_step: Duration::ZERO,
+    };
     all_scenarios(&env).await;
     // The journal lives in a file of its own next to the main one.
     assert!(env._keep.path().join("fx.db-effects").exists());
@@ -391,16 +405,30 @@ async fn effects_on_sqlite() {
 /// then drops its tables.
 macro_rules! server_effects_test {
     ($test:ident, $env:ident, $store:ty, $url:expr) => {
+        server_effects_test!(
+            $test,
+            $env,
+            $store,
+            $url,
+            SqlOptions::default(),
+            Duration::ZERO
+        );
+    };
+    ($test:ident, $env:ident, $store:ty, $url:expr, $options:expr, $step:expr) => {
         #[tokio::test]
         async fn $test() {
             let prefix = format!("{}_", support::unique("fx"));
-            let store = <$store>::connect_with(&$url, SqlOptions::default().table_prefix(&prefix))
+            let store = <$store>::connect_with(&$url, $options.table_prefix(&prefix))
                 .await
                 .unwrap();
             store.migrate().await.unwrap();
             // Concurrent runs may race to create the shared ledger table.
             let _ = sqlx::query(LEDGER_DDL).execute(store.pool()).await;
-            let env = $env { store, _keep: () };
+            let env = $env {
+                store,
+                _keep: (),
+                retention_step: $step,
+            };
             all_scenarios(&env).await;
             let t = env.store.tables().clone();
             for table in [
@@ -416,6 +444,14 @@ macro_rules! server_effects_test {
                     .await
                     .unwrap();
             }
+            // A partitioned layout's layout row and functions, if any.
+            for sql in [
+                format!("DROP TABLE IF EXISTS {}_layout", t.inbox),
+                format!("DROP FUNCTION IF EXISTS {}_claim", t.inbox),
+                format!("DROP FUNCTION IF EXISTS {}_put", t.effects),
+            ] {
+                let _ = sqlx::query(&sql).execute(env.store.pool()).await;
+            }
         }
     };
 }
@@ -425,6 +461,16 @@ server_effects_test!(
     Postgres,
     PostgresStore,
     support::postgres_url()
+);
+server_effects_test!(
+    effects_on_partitioned_postgres,
+    Postgres,
+    PostgresStore,
+    support::postgres_url(),
+    SqlOptions::default().partitioned_inbox(idemq::store::sql::InboxPartitions::every(
+        Duration::from_secs(1)
+    )),
+    Duration::from_millis(1_000)
 );
 server_effects_test!(effects_on_mysql, MySql, MySqlStore, support::mysql_url());
 

@@ -2,8 +2,9 @@
 //! a key stays single across partitions, under concurrency and across a
 //! partition boundary; a missing partition is created and the claim retried;
 //! retention drops whole partitions while consumers run; a plain inbox is
-//! never converted in place. One-second partitions, so that the tests cross
-//! boundaries in real time.
+//! never converted in place. The effect journal is partitioned with it and
+//! keeps each step's first result across partitions. One-second
+//! partitions, so that the tests cross boundaries in real time.
 #![cfg(feature = "postgres")]
 
 mod support;
@@ -44,6 +45,7 @@ async fn cleanup(store: &PostgresStore, prefix: &str) {
     for sql in [
         format!("DROP TABLE IF EXISTS {prefix}inbox, {prefix}inbox_layout, {prefix}attempts, {prefix}dead_letters, {prefix}schema_migrations, {prefix}offsets, {prefix}effects, {prefix}ledger"),
         format!("DROP FUNCTION IF EXISTS {prefix}inbox_claim"),
+        format!("DROP FUNCTION IF EXISTS {prefix}effects_put"),
     ] {
         sqlx::query(&sql).execute(store.pool()).await.expect(&sql);
     }
@@ -454,4 +456,184 @@ async fn apply_plain(store: &PostgresStore) -> bool {
         }
         _ => false,
     }
+}
+
+async fn journal_partitions(store: &PostgresStore, prefix: &str) -> i64 {
+    sqlx::query_scalar::<_, i64>(&format!(
+        "SELECT COUNT(*) FROM pg_inherits WHERE inhparent = '{prefix}effects'::regclass"
+    ))
+    .fetch_one(store.pool())
+    .await
+    .expect("journal partitions")
+}
+
+/// Journal rows of `key`'s `step`.
+async fn journal_rows(store: &PostgresStore, prefix: &str, key: &str, step: &str) -> i64 {
+    sqlx::query_scalar::<_, i64>(&format!(
+        "SELECT COUNT(*) FROM {prefix}effects WHERE msg_key = $1 AND step = $2"
+    ))
+    .bind(key)
+    .bind(step)
+    .fetch_one(store.pool())
+    .await
+    .expect("journal rows")
+}
+
+/// A step journaled in one partition keeps its first result when it is
+/// written again in a later one: one row, the first result, from `put`,
+/// `get` and `steps`.
+#[tokio::test]
+async fn the_journal_keeps_a_steps_first_result_in_a_later_partition() {
+    let (store, prefix) = partitioned().await;
+    let kind: String = sqlx::query_scalar(&format!(
+        "SELECT relkind::text FROM pg_class WHERE oid = '{prefix}effects'::regclass"
+    ))
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(kind, "p", "the journal is a partitioned table");
+    assert!(journal_partitions(&store, &prefix).await >= 3);
+    let journal = store.journal().expect("a journal");
+    let first = serde_json::json!({ "charge": "ch_1" });
+    assert_eq!(
+        journal
+            .put("payments", "order-1", "charge", &first)
+            .await
+            .unwrap(),
+        first
+    );
+    into_next_partition(50).await;
+    let second = serde_json::json!({ "charge": "ch_2" });
+    assert_eq!(
+        journal
+            .put("payments", "order-1", "charge", &second)
+            .await
+            .unwrap(),
+        first,
+        "a later partition took a second result"
+    );
+    assert_eq!(
+        journal.get("payments", "order-1", "charge").await.unwrap(),
+        Some(first.clone())
+    );
+    assert_eq!(
+        journal.steps("payments", "order-1").await.unwrap(),
+        vec![("charge".to_owned(), first)]
+    );
+    assert_eq!(journal_rows(&store, &prefix, "order-1", "charge").await, 1);
+    cleanup(&store, &prefix).await;
+}
+
+/// Eight writers journal the same steps with results of their own, across
+/// partition boundaries: every step has one row, and every writer was
+/// answered with that row's result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_journal_writes_keep_one_result_per_step() {
+    let (store, prefix) = partitioned().await;
+    let deadline = now_ms() + 2 * STEP_MS + 300;
+    let mut writers = Vec::new();
+    for w in 0..8 {
+        let store = store.clone();
+        writers.push(tokio::spawn(async move {
+            let journal = store.journal().expect("a journal");
+            let mut answers = Vec::new();
+            let mut n = 0;
+            while now_ms() < deadline {
+                let key = format!("order-{}", n / 4);
+                let step = format!("step-{}", n % 4);
+                let mine = serde_json::json!({ "writer": w });
+                let stored = loop {
+                    match journal.put("payments", &key, &step, &mine).await {
+                        Ok(stored) => break stored,
+                        Err(e) if e.kind() == StoreErrorKind::Transient => continue,
+                        Err(e) => panic!("{e}"),
+                    }
+                };
+                answers.push((key, step, stored));
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(fastrand::u64(0..4))).await;
+            }
+            answers
+        }));
+    }
+    let mut answered: BTreeMap<(String, String), serde_json::Value> = BTreeMap::new();
+    for writer in writers {
+        for (key, step, stored) in writer.await.unwrap() {
+            let first = answered
+                .entry((key.clone(), step.clone()))
+                .or_insert(stored.clone());
+            assert_eq!(
+                *first, stored,
+                "{key}/{step}: two writers got different results"
+            );
+        }
+    }
+    assert!(
+        answered.len() > 20,
+        "too few steps written: {}",
+        answered.len()
+    );
+    let rows: Vec<(String, String, i64, String)> = sqlx::query_as(&format!(
+        "SELECT msg_key, step, COUNT(*), MIN(result_json) FROM {prefix}effects GROUP BY msg_key, step"
+    ))
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), answered.len());
+    for (key, step, count, result) in rows {
+        assert_eq!(count, 1, "{key}/{step} journaled {count} times");
+        let stored: serde_json::Value = serde_json::from_str(&result).unwrap();
+        assert_eq!(
+            answered.get(&(key.clone(), step.clone())),
+            Some(&stored),
+            "{key}/{step}"
+        );
+    }
+    cleanup(&store, &prefix).await;
+}
+
+/// Retention drops the journal's partitions past the cutoff with the
+/// inbox's; the steps of the window stay.
+#[tokio::test]
+async fn retention_drops_journal_partitions() {
+    let (store, prefix) = partitioned().await;
+    let journal = store.journal().expect("a journal");
+    let old = serde_json::json!("old");
+    journal
+        .put("payments", "order-old", "charge", &old)
+        .await
+        .unwrap();
+    into_next_partition(50).await;
+    into_next_partition(50).await;
+    let new = serde_json::json!("new");
+    journal
+        .put("payments", "order-new", "charge", &new)
+        .await
+        .unwrap();
+    let before = journal_partitions(&store, &prefix).await;
+    // Past the old step's partition, not the new one's.
+    let cutoff = now_ms() / STEP_MS * STEP_MS - STEP_MS;
+    let pruned = idemq::retention::prune_before(&store, cutoff, 10_000, Duration::ZERO)
+        .await
+        .expect("prune");
+    assert!(pruned >= 1, "nothing pruned");
+    assert!(
+        journal_partitions(&store, &prefix).await < before,
+        "no journal partition dropped"
+    );
+    assert_eq!(
+        journal
+            .get("payments", "order-old", "charge")
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(
+        journal
+            .get("payments", "order-new", "charge")
+            .await
+            .unwrap(),
+        Some(new)
+    );
+    cleanup(&store, &prefix).await;
 }

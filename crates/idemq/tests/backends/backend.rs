@@ -418,6 +418,9 @@ impl Backend for PartitionedPostgres {
         store
             .exec(&format!("DROP FUNCTION IF EXISTS {p}inbox_claim"))
             .await;
+        store
+            .exec(&format!("DROP FUNCTION IF EXISTS {p}effects_put"))
+            .await;
     }
 }
 

@@ -234,10 +234,11 @@ impl Ledger {
                 .execute(self.store.pool())
                 .await;
         }
-        // A partitioned inbox's layout row and claim function.
+        // A partitioned inbox's layout row, claim and journal functions.
         for sql in [
             format!("DROP TABLE IF EXISTS {prefix}inbox_layout"),
             format!("DROP FUNCTION IF EXISTS {prefix}inbox_claim"),
+            format!("DROP FUNCTION IF EXISTS {prefix}effects_put"),
         ] {
             let _ = sqlx::query(&sql).execute(self.store.pool()).await;
         }

@@ -3,6 +3,7 @@
 //! with the inbox.
 
 use super::database::{Bind, Column, SqlDatabase};
+use super::partitions::Layout;
 use super::{store_error, SqlStore};
 use crate::effect::EffectJournal;
 use crate::error::StoreError;
@@ -32,6 +33,7 @@ impl<DB: SqlDatabase> EffectJournal for SqlStore<DB> {
         step: &str,
         result: &serde_json::Value,
     ) -> Result<serde_json::Value, StoreError> {
+        let layout = self.prepare_journal().await?;
         let pool = self.journal_pool().await?;
         let text = result.to_string();
         let binds = [
@@ -41,7 +43,17 @@ impl<DB: SqlDatabase> EffectJournal for SqlStore<DB> {
             Bind::Text(&text),
             Bind::Int(now_ms()),
         ];
-        Self::execute_on(pool, &self.queries.effect_put, &binds).await?;
+        // A partitioned journal keeps the first result through its function
+        // (see `partitions`); a plain one by its primary key.
+        let put = match layout {
+            Layout::Plain => &self.queries.effect_put,
+            Layout::Partitioned => &self.parts.put,
+        };
+        let mut conn = pool.acquire().await.map_err(store_error)?;
+        DB::execute(&mut conn, put, &binds)
+            .await
+            .map_err(|e| self.partitioned_error(layout, e))?;
+        drop(conn);
         let stored = EffectJournal::get(self, consumer, key, step).await?;
         stored.ok_or_else(|| {
             StoreError::transient(format!(

@@ -19,11 +19,20 @@
 //! with its connection. The function refuses to run under any isolation
 //! level but READ COMMITTED, where step 2 would read an older snapshot.
 //!
+//! The effect journal (`{effects}`) of a store migrated into this layout is
+//! partitioned the same way, for the same reason: its primary key
+//! `(consumer, msg_key, step)` cannot be unique across partitions, so a
+//! journal write goes through `{effects}_put`, which keeps the first result
+//! of a step the same way (an advisory lock on the hash of consumer, key and
+//! step — in the single-`bigint` key space, apart from the claims' pairs —
+//! then a look across partitions, then the insert).
+//!
 //! Partitions are created ahead (`{inbox}_layout` holds the interval and
-//! how many ahead) by `migrate`, by every store before it claims (once per
-//! quarter interval, at most every ten minutes) and after a claim found no
-//! partition for its row; retention detaches (`CONCURRENTLY`) and drops the
-//! partitions whose whole range is older than the cutoff.
+//! how many ahead) by `migrate`, by every store before it claims or writes
+//! the journal (once per quarter interval, at most every ten minutes) and
+//! after a claim or journal write found no partition for its row; retention
+//! detaches (`CONCURRENTLY`) and drops the partitions whose whole range is
+//! older than the cutoff.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
@@ -121,12 +130,15 @@ const EXACT_BELOW: i64 = 1_000_000;
 /// The session lock that keeps two pruners from detaching the same partition.
 const DROP_LOCK: &str = "SELECT pg_advisory_lock(7243219088)";
 
-/// The statements of a partitioned inbox over `tables` (PostgreSQL text).
+/// The statements of a partitioned inbox and journal over `tables`
+/// (PostgreSQL text).
 #[derive(Debug, Clone)]
 pub(super) struct PartitionSql {
     inbox: String,
     layout_table: String,
     function: String,
+    effects: String,
+    put_function: String,
 }
 
 impl PartitionSql {
@@ -135,7 +147,56 @@ impl PartitionSql {
             inbox: tables.inbox.clone(),
             layout_table: format!("{}_layout", tables.inbox),
             function: format!("{}_claim", tables.inbox),
+            effects: tables.effects.clone(),
+            put_function: format!("{}_put", tables.effects),
         }
+    }
+
+    /// The partitioned effect journal and its write function (migration
+    /// v3's journal, in this layout).
+    pub(super) fn journal_schema(&self) -> Vec<String> {
+        let Self {
+            effects,
+            put_function,
+            ..
+        } = self;
+        vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {effects} (consumer VARCHAR(128) NOT NULL, \
+                 msg_key VARCHAR(512) NOT NULL, step VARCHAR(128) NOT NULL, \
+                 result_json TEXT NOT NULL, created_at BIGINT NOT NULL, \
+                 PRIMARY KEY (consumer, msg_key, step, created_at)) PARTITION BY RANGE (created_at)"
+            ),
+            format!(
+                "CREATE OR REPLACE FUNCTION {put_function}(p_consumer TEXT, p_key TEXT, \
+                 p_step TEXT, p_result TEXT, p_created_at BIGINT) RETURNS BOOLEAN \
+                 LANGUAGE plpgsql VOLATILE AS $idemq$ \
+                 BEGIN \
+                   IF current_setting('transaction_isolation') <> 'read committed' THEN \
+                     RAISE EXCEPTION 'a partitioned idemq journal writes under READ COMMITTED only, not %', \
+                       current_setting('transaction_isolation') USING ERRCODE = 'feature_not_supported'; \
+                   END IF; \
+                   PERFORM pg_advisory_xact_lock(hashtextextended(p_consumer || chr(1) || p_key || chr(1) || p_step, 7243219089)); \
+                   IF EXISTS (SELECT 1 FROM {effects} WHERE consumer = p_consumer AND msg_key = p_key AND step = p_step) THEN \
+                     RETURN FALSE; \
+                   END IF; \
+                   INSERT INTO {effects} (consumer, msg_key, step, result_json, created_at) \
+                     VALUES (p_consumer, p_key, p_step, p_result, p_created_at); \
+                   RETURN TRUE; \
+                 END $idemq$"
+            ),
+        ]
+    }
+
+    /// One journal write that keeps a step's first result. Binds: consumer,
+    /// key, step, result_json, created_at.
+    pub(super) fn put(&self) -> String {
+        format!("SELECT {}($1, $2, $3, $4, $5)", self.put_function)
+    }
+
+    /// The journal table.
+    pub(super) fn effects(&self) -> &str {
+        &self.effects
     }
 
     /// The schema of the partitioned inbox: the parent table, the layout
@@ -145,6 +206,7 @@ impl PartitionSql {
             inbox,
             layout_table,
             function,
+            ..
         } = self;
         vec![
             format!(
@@ -211,35 +273,67 @@ impl PartitionSql {
         &self,
         conn: &mut DB::Connection,
     ) -> Result<Option<Layout>, StoreError> {
-        const DETECT: &str = "SELECT (CASE WHEN to_regclass($1) IS NULL THEN 0 \
-             WHEN EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = to_regclass($1)) \
-             THEN 2 ELSE 1 END)::bigint";
-        let rows = DB::fetch(conn, DETECT, &[Bind::Text(&self.inbox)], &[Column::Int])
-            .await
-            .map_err(store_error)?;
-        let code = match rows.first() {
-            Some(row) => row.int(0).map_err(store_error)?,
-            None => 0,
-        };
-        Ok(match code {
-            0 => None,
-            2 => Some(Layout::Partitioned),
-            _ => Some(Layout::Plain),
-        })
+        detect_table::<DB>(conn, &self.inbox).await
     }
 
-    /// The partitions of the inbox: name, range and approximate rows, and
-    /// whether a concurrent detach of it was interrupted.
-    async fn partitions<DB: SqlDatabase>(
+    /// Which layout the effect journal has: `None` while it does not exist.
+    pub(super) async fn detect_journal<DB: SqlDatabase>(
         &self,
         conn: &mut DB::Connection,
+    ) -> Result<Option<Layout>, StoreError> {
+        detect_table::<DB>(conn, &self.effects).await
+    }
+
+    /// The partitioned tables among the inbox and the journal.
+    async fn partitioned_parents<DB: SqlDatabase>(
+        &self,
+        conn: &mut DB::Connection,
+    ) -> Result<Vec<&str>, StoreError> {
+        let mut parents = Vec::with_capacity(2);
+        for table in [&self.inbox, &self.effects] {
+            if detect_table::<DB>(conn, table).await? == Some(Layout::Partitioned) {
+                parents.push(table.as_str());
+            }
+        }
+        Ok(parents)
+    }
+}
+
+/// Which layout `table` has: `None` while it does not exist.
+async fn detect_table<DB: SqlDatabase>(
+    conn: &mut DB::Connection,
+    table: &str,
+) -> Result<Option<Layout>, StoreError> {
+    const DETECT: &str = "SELECT (CASE WHEN to_regclass($1) IS NULL THEN 0 \
+         WHEN EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = to_regclass($1)) \
+         THEN 2 ELSE 1 END)::bigint";
+    let rows = DB::fetch(conn, DETECT, &[Bind::Text(table)], &[Column::Int])
+        .await
+        .map_err(store_error)?;
+    let code = match rows.first() {
+        Some(row) => row.int(0).map_err(store_error)?,
+        None => 0,
+    };
+    Ok(match code {
+        0 => None,
+        2 => Some(Layout::Partitioned),
+        _ => Some(Layout::Plain),
+    })
+}
+
+impl PartitionSql {
+    /// The partitions of `parent`: name, range and approximate rows, and
+    /// whether a concurrent detach of it was interrupted.
+    async fn partitions<DB: SqlDatabase>(
+        conn: &mut DB::Connection,
+        parent: &str,
     ) -> Result<Vec<Partition>, StoreError> {
         const LIST: &str = "SELECT c.relname::text, pg_get_expr(c.relpartbound, c.oid), \
              (CASE WHEN c.reltuples >= 0 THEN c.reltuples ELSE -1 END)::bigint, (CASE WHEN i.inhdetachpending THEN 1 ELSE 0 END)::bigint \
              FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
              WHERE i.inhparent = to_regclass($1)";
         const COLUMNS: [Column; 4] = [Column::Text, Column::Text, Column::Int, Column::Int];
-        let rows = DB::fetch(conn, LIST, &[Bind::Text(&self.inbox)], &COLUMNS)
+        let rows = DB::fetch(conn, LIST, &[Bind::Text(parent)], &COLUMNS)
             .await
             .map_err(store_error)?;
         let mut partitions = Vec::with_capacity(rows.len());
@@ -247,7 +341,7 @@ impl PartitionSql {
             let name = row.text(0).map_err(store_error)?;
             let bound = row.text(1).map_err(store_error)?;
             let Some((start, end)) = parse_range(&bound) else {
-                tracing::warn!(partition = %name, %bound, "an inbox partition without a plain range: left alone");
+                tracing::warn!(partition = %name, %bound, "a partition without a plain range: left alone");
                 continue;
             };
             partitions.push(Partition {
@@ -288,60 +382,58 @@ impl PartitionSql {
         })?;
         let interval = row.int(0).map_err(store_error)?.max(1_000);
         let ahead = row.int(1).map_err(store_error)?.clamp(1, 1_000);
-        let existing = self.partitions::<DB>(&mut tx).await?;
         let first = now_ms.div_euclid(interval) * interval;
         let mut created = 0;
-        for i in 0..=ahead {
-            let start = first + i * interval;
-            let end = start + interval;
-            if existing.iter().any(|p| p.start < end && start < p.end) {
-                continue;
+        for parent in self.partitioned_parents::<DB>(&mut tx).await? {
+            let existing = Self::partitions::<DB>(&mut tx, parent).await?;
+            for i in 0..=ahead {
+                let start = first + i * interval;
+                let end = start + interval;
+                if existing.iter().any(|p| p.start < end && start < p.end) {
+                    continue;
+                }
+                let name = format!("{parent}_p{start}");
+                // CREATE + ATTACH takes a SHARE UPDATE EXCLUSIVE lock on the
+                // parent, which claims do not wait for (CREATE … PARTITION OF
+                // would take ACCESS EXCLUSIVE).
+                for sql in [
+                    format!("CREATE TABLE {name} (LIKE {parent} INCLUDING DEFAULTS)"),
+                    format!(
+                        "ALTER TABLE {parent} ATTACH PARTITION {name} FOR VALUES FROM ({start}) TO ({end})"
+                    ),
+                ] {
+                    DB::execute(&mut tx, &sql, &[]).await.map_err(store_error)?;
+                }
+                created += 1;
             }
-            let name = format!("{}_p{start}", self.inbox);
-            // CREATE + ATTACH takes a SHARE UPDATE EXCLUSIVE lock on the
-            // inbox, which claims do not wait for (CREATE … PARTITION OF
-            // would take ACCESS EXCLUSIVE).
-            for sql in [
-                format!(
-                    "CREATE TABLE {name} (LIKE {} INCLUDING DEFAULTS)",
-                    self.inbox
-                ),
-                format!(
-                    "ALTER TABLE {} ATTACH PARTITION {name} FOR VALUES FROM ({start}) TO ({end})",
-                    self.inbox
-                ),
-            ] {
-                DB::execute(&mut tx, &sql, &[]).await.map_err(store_error)?;
-            }
-            created += 1;
         }
         tx.commit().await.map_err(store_error)?;
         if created > 0 {
-            tracing::info!(inbox = %self.inbox, created, "created inbox partitions ahead");
+            tracing::info!(inbox = %self.inbox, created, "created partitions ahead");
         }
         Ok((created, interval))
     }
 
-    /// Detaches and drops every partition whose whole range is before
-    /// `cutoff_ms`; returns the rows they held (counted below a million
-    /// rows; above, PostgreSQL's estimate as of the partition's last
-    /// analyze). Runs on a connection of its own,
+    /// Detaches and drops every partition of `parent` (the inbox or the
+    /// journal) whose whole range is before `cutoff_ms`; returns the rows
+    /// they held (counted below a million rows; above, PostgreSQL's estimate
+    /// as of the partition's last analyze). Runs on a connection of its own,
     /// closed afterwards, under a session lock that keeps two pruners apart.
     pub(super) async fn drop_before<DB: SqlDatabase>(
-        &self,
         pool: &sqlx::Pool<DB>,
+        parent: &str,
         cutoff_ms: i64,
     ) -> Result<u64, StoreError> {
         let mut conn = pool.acquire().await.map_err(store_error)?.detach();
-        let outcome = self.drop_on::<DB>(&mut conn, cutoff_ms).await;
+        let outcome = Self::drop_on::<DB>(&mut conn, parent, cutoff_ms).await;
         // The session lock ends with the connection.
         let _ = sqlx::Connection::close(conn).await;
         outcome
     }
 
     async fn drop_on<DB: SqlDatabase>(
-        &self,
         conn: &mut DB::Connection,
+        parent: &str,
         cutoff_ms: i64,
     ) -> Result<u64, StoreError> {
         DB::execute(conn, DROP_LOCK, &[])
@@ -349,7 +441,7 @@ impl PartitionSql {
             .map_err(store_error)?;
         let mut dropped = 0;
         let mut rows = 0;
-        for partition in self.partitions::<DB>(conn).await? {
+        for partition in Self::partitions::<DB>(conn, parent).await? {
             if partition.end > cutoff_ms {
                 continue;
             }
@@ -371,15 +463,9 @@ impl PartitionSql {
             };
             // A detach interrupted earlier is finished, not started again.
             let detach = if partition.detach_pending {
-                format!(
-                    "ALTER TABLE {} DETACH PARTITION {name} FINALIZE",
-                    self.inbox
-                )
+                format!("ALTER TABLE {parent} DETACH PARTITION {name} FINALIZE")
             } else {
-                format!(
-                    "ALTER TABLE {} DETACH PARTITION {name} CONCURRENTLY",
-                    self.inbox
-                )
+                format!("ALTER TABLE {parent} DETACH PARTITION {name} CONCURRENTLY")
             };
             DB::execute(conn, &detach, &[]).await.map_err(store_error)?;
             DB::execute(conn, &format!("DROP TABLE IF EXISTS {name}"), &[])
@@ -389,7 +475,7 @@ impl PartitionSql {
             rows += u64::try_from(held).unwrap_or(0);
         }
         if dropped > 0 {
-            tracing::info!(inbox = %self.inbox, partitions = dropped, rows, "dropped inbox partitions past the retention cutoff");
+            tracing::info!(table = %parent, partitions = dropped, rows, "dropped partitions past the retention cutoff");
         }
         Ok(rows)
     }

@@ -576,8 +576,8 @@ fn number_placeholders(sql: &str) -> String {
 
 /// The versioned schema steps, in order. `partitioned` is the
 /// `(interval_ms, ahead)` of a time-partitioned inbox (PostgreSQL): version
-/// 1 then creates the inbox in that layout (see
-/// [`partitions`](super::partitions)).
+/// 1 then creates the inbox, and version 3 the effect journal, in that
+/// layout (see [`partitions`](super::partitions)).
 pub(super) fn schema_versions(
     dialect: Dialect,
     tables: &Tables,
@@ -591,8 +591,11 @@ pub(super) fn schema_versions(
         // when first used), so v3 has nothing to do in the main file.
         (
             3,
-            match dialect {
-                Dialect::Sqlite => Vec::new(),
+            match (dialect, partitioned) {
+                (Dialect::Sqlite, _) => Vec::new(),
+                (Dialect::Postgres, Some(_)) => {
+                    super::partitions::PartitionSql::new(tables).journal_schema()
+                }
                 _ => schema_v3(dialect, tables),
             },
         ),

@@ -73,8 +73,12 @@ pub(super) struct Partitioning {
     wanted: Option<InboxPartitions>,
     /// The layout of the inbox, once it was seen to exist.
     layout: std::sync::OnceLock<Layout>,
+    /// The layout of the effect journal, once it was seen to exist.
+    journal_layout: std::sync::OnceLock<Layout>,
     pub(super) sql: PartitionSql,
     claim: String,
+    /// The journal write of a partitioned journal.
+    pub(super) put: String,
     upkeep: Upkeep,
 }
 
@@ -130,7 +134,9 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         let parts = Partitioning {
             wanted,
             layout: std::sync::OnceLock::new(),
+            journal_layout: std::sync::OnceLock::new(),
             claim: sql.claim(),
+            put: sql.put(),
             sql,
             upkeep: Upkeep::default(),
         };
@@ -163,24 +169,56 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         })
     }
 
+    /// The effect journal's layout, read like [`layout`](Self::layout).
+    pub(super) async fn journal_layout(&self) -> Result<Layout, StoreError> {
+        if DB::DIALECT != Dialect::Postgres {
+            return Ok(Layout::Plain);
+        }
+        if let Some(layout) = self.parts.journal_layout.get() {
+            return Ok(*layout);
+        }
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let detected = self.parts.sql.detect_journal::<DB>(&mut conn).await?;
+        Ok(match detected {
+            Some(layout) => *self.parts.journal_layout.get_or_init(|| layout),
+            None => Layout::Plain,
+        })
+    }
+
     /// Before a claim's transaction: on a partitioned inbox, makes sure the
     /// partitions ahead exist when that is due. A failure is logged, not
     /// returned: the partitions made earlier may still hold the claim.
     pub(super) async fn prepare_claims(&self) -> Result<Layout, StoreError> {
         let layout = self.layout().await?;
         if layout == Layout::Partitioned {
-            let now = now_ms();
-            if self.parts.upkeep.due(now) {
-                match self.parts.sql.ensure(&self.pool, now).await {
-                    Ok((_, interval_ms)) => self.parts.upkeep.done(now, interval_ms),
-                    Err(e) => {
-                        tracing::warn!(inbox = %self.tables.inbox, error = %e, "could not create inbox partitions ahead; trying again in a second");
-                        self.parts.upkeep.done(now, 4_000);
-                    }
+            self.keep_partitions_ahead().await;
+        }
+        Ok(layout)
+    }
+
+    /// Before a journal write: on a partitioned journal, the same as
+    /// [`prepare_claims`](Self::prepare_claims).
+    pub(super) async fn prepare_journal(&self) -> Result<Layout, StoreError> {
+        let layout = self.journal_layout().await?;
+        if layout == Layout::Partitioned {
+            self.keep_partitions_ahead().await;
+        }
+        Ok(layout)
+    }
+
+    /// Creates the partitions ahead (of the inbox and the journal) when that
+    /// is due.
+    async fn keep_partitions_ahead(&self) {
+        let now = now_ms();
+        if self.parts.upkeep.due(now) {
+            match self.parts.sql.ensure(&self.pool, now).await {
+                Ok((_, interval_ms)) => self.parts.upkeep.done(now, interval_ms),
+                Err(e) => {
+                    tracing::warn!(inbox = %self.tables.inbox, error = %e, "could not create partitions ahead; trying again in a second");
+                    self.parts.upkeep.done(now, 4_000);
                 }
             }
         }
-        Ok(layout)
     }
 
     /// The claim statement of `layout`.
@@ -195,6 +233,13 @@ impl<DB: SqlDatabase> SqlStore<DB> {
     /// row no partition holds (SQLSTATE 23514) is transient, and makes the
     /// next claim create the partitions first.
     pub(super) fn claim_error(&self, layout: Layout, err: sqlx::Error) -> StoreError {
+        self.partitioned_error(layout, err)
+    }
+
+    /// A database error of a statement on a table in `layout` as a store
+    /// error: a row no partition holds (SQLSTATE 23514) is transient, and
+    /// makes the next claim or journal write create the partitions first.
+    pub(super) fn partitioned_error(&self, layout: Layout, err: sqlx::Error) -> StoreError {
         let no_partition = layout == Layout::Partitioned
             && matches!(&err, sqlx::Error::Database(db) if db.code().as_deref() == Some("23514"));
         if no_partition {
@@ -508,6 +553,25 @@ impl<DB: SqlDatabase> StoreAdmin for SqlStore<DB> {
             Some(_) => return Err(StoreError::config("a partitioned inbox is PostgreSQL only")),
             None => None,
         };
+        // A plain inbox is refused before anything is migrated, so that no
+        // partitioned journal is added beside it.
+        let existing = match wanted {
+            Some(_) => {
+                let mut conn = self.pool.acquire().await.map_err(store_error)?;
+                self.parts.sql.detect::<DB>(&mut conn).await?
+            }
+            None => None,
+        };
+        let plain_inbox = || {
+            StoreError::config(format!(
+                "the inbox {} exists as one table: a partitioned inbox is made by migrate \
+                 under a new table prefix (or in another database); rows are not moved in place",
+                self.tables.inbox
+            ))
+        };
+        if existing == Some(Layout::Plain) {
+            return Err(plain_inbox());
+        }
         let migrations = match wanted {
             Some(parts) => queries::schema_versions(DB::DIALECT, &self.tables, Some(parts)),
             None => self.queries.migrations.clone(),
@@ -516,11 +580,7 @@ impl<DB: SqlDatabase> StoreAdmin for SqlStore<DB> {
             .await
             .map_err(store_error)?;
         match self.layout().await? {
-            Layout::Plain if wanted.is_some() => Err(StoreError::config(format!(
-                "the inbox {} exists as one table: a partitioned inbox is made by migrate \
-                 under a new table prefix (or in another database); rows are not moved in place",
-                self.tables.inbox
-            ))),
+            Layout::Plain if wanted.is_some() => Err(plain_inbox()),
             Layout::Plain => Ok(()),
             Layout::Partitioned => {
                 let now = now_ms();
@@ -537,11 +597,20 @@ impl<DB: SqlDatabase> StoreAdmin for SqlStore<DB> {
             Layout::Plain => {
                 Self::execute_on(&self.pool, &self.queries.prune_inbox, &binds).await?
             }
-            Layout::Partitioned => self.parts.sql.drop_before(&self.pool, cutoff_ms).await?,
+            Layout::Partitioned => {
+                PartitionSql::drop_before(&self.pool, &self.tables.inbox, cutoff_ms).await?
+            }
         };
         Self::execute_on(&self.pool, &self.queries.prune_attempts, &binds).await?;
-        let journal = self.journal_pool().await?;
-        let effects = Self::execute_on(journal, &self.queries.prune_effects, &binds).await?;
+        let effects = match self.journal_layout().await? {
+            Layout::Plain => {
+                let journal = self.journal_pool().await?;
+                Self::execute_on(journal, &self.queries.prune_effects, &binds).await?
+            }
+            Layout::Partitioned => {
+                PartitionSql::drop_before(&self.pool, self.parts.sql.effects(), cutoff_ms).await?
+            }
+        };
         Ok(deleted.max(effects))
     }
 
