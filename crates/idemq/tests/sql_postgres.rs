@@ -1,9 +1,10 @@
 //! PostgreSQL store specifics that cost round trips or scans:
 //!
-//! - the pool does not ping a connection on every acquire (a round trip per
-//!   transaction): a connection the server dropped while it sat in the pool
-//!   fails its next claim with a transient error, and the claim after that
-//!   runs on a new connection. Nothing is claimed twice.
+//! - the pools (the store's and its effect journal's) do not ping a
+//!   connection on every acquire (a round trip per transaction): a
+//!   connection the server dropped while it sat in the pool fails its next
+//!   claim or journal write with a transient error, and the one after that
+//!   runs on a new connection. Nothing is claimed or journaled twice.
 //! - a batch's results reach a fresh, never analysed inbox by primary-key
 //!   probes, not by a scan of the whole table per batch.
 #![cfg(feature = "postgres")]
@@ -189,6 +190,76 @@ async fn batch_results_reach_a_fresh_inbox_by_key_not_by_scan() {
     for table in support::TEST_TABLES.iter().chain(&["effects"]) {
         sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
             .execute(store.pool())
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_journal_connection_dropped_in_its_pool_costs_one_transient_write() {
+    let prefix = format!("{}_", support::unique("jpool"));
+    let store = PostgresStore::connect_with(
+        &support::postgres_url(),
+        SqlOptions::default().table_prefix(&prefix),
+    )
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    let journal = store.journal().expect("a journal");
+    let first = serde_json::json!({ "charge": "ch_1" });
+    journal
+        .put("payments", "order-1", "charge", &first)
+        .await
+        .unwrap();
+    // The journal's connections are the ones whose last statement read
+    // its table.
+    let admin = sqlx::PgPool::connect(&support::postgres_url())
+        .await
+        .unwrap();
+    let pids: Vec<i32> = sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
+         AND pid <> pg_backend_pid() AND query LIKE '%' || $1 || '%'",
+    )
+    .bind(format!("{prefix}effects"))
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert!(!pids.is_empty(), "no journal connection found");
+    for pid in &pids {
+        let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let mut transient = 0;
+    let second = serde_json::json!({ "charge": "ch_2" });
+    let stored = loop {
+        match journal.put("payments", "order-1", "refund", &second).await {
+            Ok(stored) => break stored,
+            Err(e) if e.kind() == StoreErrorKind::Transient => transient += 1,
+            Err(e) => panic!("{e}"),
+        }
+        assert!(
+            transient <= pids.len(),
+            "more writes failed than connections were dropped"
+        );
+    };
+    assert_eq!(stored, second);
+    assert_eq!(
+        journal.get("payments", "order-1", "charge").await.unwrap(),
+        Some(first)
+    );
+    let rows: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {prefix}effects"))
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert_eq!(rows, 2, "each step journaled once");
+    for table in support::TEST_TABLES.iter().chain(&["effects"]) {
+        sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
+            .execute(&admin)
             .await
             .unwrap();
     }

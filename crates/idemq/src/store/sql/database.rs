@@ -325,20 +325,28 @@ pub(crate) fn connect_server<'a, DB: sqlx::Database>(
     options: &'a SqlOptions,
 ) -> BoxFuture<'a, Result<sqlx::Pool<DB>, sqlx::Error>> {
     Box::pin(
-        sqlx::pool::PoolOptions::<DB>::new()
+        pool_options::<DB>()
             .max_connections(options.max_connections.unwrap_or(10))
             .acquire_timeout(options.acquire_timeout)
-            .test_before_acquire(false)
-            .before_acquire(|conn, meta| {
-                Box::pin(async move {
-                    if meta.idle_for < PING_IF_IDLE_FOR {
-                        return Ok(true);
-                    }
-                    Ok(sqlx::Connection::ping(conn).await.is_ok())
-                })
-            })
             .connect(url),
     )
+}
+
+/// The pool options of every server-database pool (the store's and its
+/// journal's): a connection is pinged before use only after
+/// [`PING_IF_IDLE_FOR`] idle (see [`connect_server`]).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn pool_options<DB: sqlx::Database>() -> sqlx::pool::PoolOptions<DB> {
+    sqlx::pool::PoolOptions::<DB>::new()
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for < PING_IF_IDLE_FOR {
+                    return Ok(true);
+                }
+                Ok(sqlx::Connection::ping(conn).await.is_ok())
+            })
+        })
 }
 
 /// A plain `BEGIN`: row locks do the rest.
@@ -369,7 +377,7 @@ const JOURNAL_CONNECTIONS: u32 = 2;
 pub(crate) fn server_journal<DB: sqlx::Database>(
     main: &sqlx::Pool<DB>,
 ) -> BoxFuture<'_, Result<sqlx::Pool<DB>, sqlx::Error>> {
-    let pool = sqlx::pool::PoolOptions::<DB>::new()
+    let pool = pool_options::<DB>()
         .max_connections(JOURNAL_CONNECTIONS)
         .acquire_timeout(main.options().get_acquire_timeout())
         .connect_lazy_with((*main.connect_options()).clone());
