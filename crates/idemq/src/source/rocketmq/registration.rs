@@ -26,10 +26,13 @@ impl BrokerConfig for RocketMqConfig {
     }
 
     /// The source's own risky settings; the broker's retention
-    /// (`fileReservedTime`) is not read.
+    /// (`fileReservedTime`) is not read: rocketmq-client-rust 1.0 keeps its
+    /// admin API (`GET_BROKER_CONFIG`) private.
     async fn inspect(self) -> Result<BrokerHealth, SourceError> {
         Ok(BrokerHealth::new(Horizon::Unknown {
-            why: "the broker's fileReservedTime is not read (72h by default)".into(),
+            why: "the broker's fileReservedTime is not read: rocketmq-client-rust 1.0 exposes \
+                  no broker configuration (72h by default)"
+                .into(),
         })
         .with_risks(super::limits::risks(&self)))
     }
