@@ -17,6 +17,7 @@ mod output;
 mod progress;
 mod sink;
 mod size;
+mod sync;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -10,6 +10,8 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+
+use crate::sync::lock;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -82,12 +84,6 @@ impl Ops {
 struct Served {
     ops: Ops,
     prometheus: PrometheusHandle,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Installs the Prometheus recorder, binds `addr` and serves `ops` (and the

@@ -67,6 +67,7 @@ pub mod redis_client;
 pub mod retention;
 pub mod source;
 pub mod store;
+mod sync;
 pub mod template;
 #[cfg(any(feature = "redis", feature = "redis-streams", feature = "nats"))]
 mod tls;

@@ -4,7 +4,9 @@ use std::collections::BTreeSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
+
+use crate::sync::lock;
 
 use anyhow::{Context, Result};
 use idemq::source::queue::{MemoryQueue, QueueSource};
@@ -88,7 +90,7 @@ impl<B: Backend> Replayer<B> {
             .handler(handler)
             .concurrency(1)
             .on_outcome(move |outcome| {
-                *hook_slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(outcome.clone());
+                *lock(&hook_slot) = Some(outcome.clone());
             })
             .build()
             .map_err(exit::usage)?;
@@ -114,10 +116,7 @@ impl<B: Backend> Replayer<B> {
         letter: &DeadLetterRecord,
         stop: impl Future<Output = ()>,
     ) -> Result<Verdict> {
-        *self
-            .last_outcome
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = None;
+        *lock(&self.last_outcome) = None;
         let queue = MemoryQueue::new(letter.meta.topic.clone().unwrap_or_default());
         queue.push(letter.message.clone());
         queue.close();
@@ -129,11 +128,7 @@ impl<B: Backend> Replayer<B> {
             .run_until(source, stop)
             .await
             .context("replaying")?;
-        let outcome = self
-            .last_outcome
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        let outcome = lock(&self.last_outcome).take();
         let verdict = Verdict::of(
             outcome.as_ref(),
             self.ignore_conflicts,

@@ -5,7 +5,9 @@
 //! Prometheus's job (docs/grafana-dashboard.json).
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
+
+use crate::sync::lock;
 use std::time::Duration;
 
 /// Samples kept: six hours at the default 10 s.
@@ -58,7 +60,7 @@ pub struct History {
 impl History {
     /// Appends a sample, dropping the oldest beyond [`KEEP`].
     pub fn push(&self, sample: Sample) {
-        let mut samples = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut samples = lock(&self.samples);
         if samples.len() == KEEP {
             samples.pop_front();
         }
@@ -67,7 +69,7 @@ impl History {
 
     /// The consumer's steps between consecutive samples, oldest first.
     pub fn steps(&self, consumer: &str) -> Vec<Step> {
-        let samples = self.samples.lock().unwrap_or_else(PoisonError::into_inner);
+        let samples = lock(&self.samples);
         let counts: Vec<(i64, Counts)> = samples
             .iter()
             .map(|s| {
@@ -94,10 +96,7 @@ impl History {
 
     /// How many samples there are.
     pub fn len(&self) -> usize {
-        self.samples
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
+        lock(&self.samples).len()
     }
 }
 

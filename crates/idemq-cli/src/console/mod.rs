@@ -16,7 +16,9 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
+
+use crate::sync::lock;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -230,10 +232,7 @@ async fn sample<B: Backend>(console: &Console<B>) {
             at_ms: now_ms(),
             consumers,
         });
-        *console
-            .scrape_failing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = failing;
+        *lock(&console.scrape_failing) = failing;
     }
 }
 

@@ -2,7 +2,9 @@
 //! POST routes (replay, delete) check the form token and `--allow-changes`.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
+
+use crate::sync::lock;
 
 use axum::body::Bytes;
 use axum::extract::{Query, State};
@@ -98,11 +100,7 @@ async fn overview<B: Backend + Clone>(State(console): Shared<B>) -> Response {
         .collect();
     let scrape = ScrapeStatus {
         targets: console.scrape_targets.clone(),
-        failing: console
-            .scrape_failing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone(),
+        failing: lock(&console.scrape_failing).clone(),
     };
     console.page(
         "Consumers",

@@ -14,12 +14,13 @@
 //! fixed number of deliveries at a time.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::watch;
 
 use crate::outcome::Outcome;
+use crate::sync::lock;
 
 /// How the previous delivery of a key ended, as far as the next one cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,7 +62,7 @@ impl KeyLanes {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let ticket = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (ended, receiver) = watch::channel(None);
-        let mut tails = self.tails.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut tails = lock(&self.tails);
         let previous = tails
             .insert(
                 key.clone(),
@@ -83,10 +84,7 @@ impl KeyLanes {
     /// Keys with a delivery in flight.
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.tails
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
+        lock(&self.tails).len()
     }
 }
 
@@ -122,11 +120,7 @@ impl Drop for LaneTicket {
         if self.ended.borrow().is_none() {
             self.ended.send_replace(Some(LaneEnd::Settled));
         }
-        let mut tails = self
-            .lanes
-            .tails
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut tails = lock(&self.lanes.tails);
         if tails
             .get(&self.key)
             .is_some_and(|t| t.ticket == self.ticket)

@@ -107,7 +107,7 @@ struct Shared {
 
 impl Shared {
     fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     /// Writes the checkpoint (atomically: temp file + rename) if due or `force`d.

@@ -36,7 +36,7 @@ struct Shared {
 
 impl Shared {
     fn state(&self) -> MutexGuard<'_, QueueState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 }
 

@@ -97,7 +97,7 @@ impl MemoryStore {
     fn state(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave State half-updated in a
         // way that matters more than losing the whole store, so keep going.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 }
 

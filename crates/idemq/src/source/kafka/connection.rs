@@ -59,10 +59,7 @@ pub(super) struct RefusalContext {
 impl RefusalContext {
     /// The first refusal reported so far.
     pub(super) fn refusal(&self) -> Option<String> {
-        self.refused
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        crate::sync::lock(&self.refused).clone()
     }
 
     /// Logs a librdkafka error, remembering it if it is a refusal.
@@ -70,10 +67,7 @@ impl RefusalContext {
         match refusal_of(error, reason) {
             Some(refusal) => {
                 tracing::warn!(error = %error, reason, "the kafka cluster refused the connection");
-                self.refused
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get_or_insert(refusal);
+                crate::sync::lock(&self.refused).get_or_insert(refusal);
             }
             None => tracing::warn!(error = %error, reason, "librdkafka error"),
         }

@@ -100,11 +100,11 @@ pub(super) struct Shared {
 
 impl Shared {
     pub(super) fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     pub(super) fn commit_guard(&self) -> MutexGuard<'_, ()> {
-        self.commit_lock.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.commit_lock)
     }
 
     /// A commit of `offsets` failed (the broker refused it, the
@@ -144,7 +144,7 @@ impl Shared {
     /// (runs in the rebalance callback, before the assignment is applied).
     fn position(&self, tpl: &mut TopicPartitionList) {
         let (lookup, runtime) = {
-            let resume = self.resume.lock().unwrap_or_else(|p| p.into_inner());
+            let resume = crate::sync::lock(&self.resume);
             match &*resume {
                 Some(r) => (Arc::clone(&r.lookup), r.runtime.clone()),
                 None => return,
@@ -525,11 +525,7 @@ impl KafkaSource {
     /// partition is handed out until then. Partitions with a delivery in
     /// flight are left to the per-record check.
     async fn seek_assigned(&self) {
-        let Some(lookup) = self
-            .shared
-            .resume
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        let Some(lookup) = crate::sync::lock(&self.shared.resume)
             .as_ref()
             .map(|r| Arc::clone(&r.lookup))
         else {
@@ -669,8 +665,7 @@ impl Source for KafkaSource {
     /// the [module docs](super)).
     async fn resume_from(&mut self, lookup: Arc<dyn OffsetLookup>) {
         let runtime = tokio::runtime::Handle::current();
-        *self.shared.resume.lock().unwrap_or_else(|p| p.into_inner()) =
-            Some(Resume { lookup, runtime });
+        *crate::sync::lock(&self.shared.resume) = Some(Resume { lookup, runtime });
         self.seek_assigned().await;
     }
 

@@ -2,7 +2,7 @@
 //! subscribing, reconnecting, and publishes that wait for their `PUBACK`.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rumqttc::v5::mqttbytes::v5::SubscribeReasonCode;
@@ -15,6 +15,7 @@ use tokio::task::JoinHandle;
 
 use super::source::Incoming;
 use crate::error::SourceError;
+use crate::sync::lock;
 
 /// How long connecting (up to the subscription's acknowledgement) may take.
 pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -44,10 +45,6 @@ struct Waiters {
 /// How long the event loop keeps going after it wrote a `DISCONNECT`, for
 /// the connection to close.
 const DISCONNECT_FLUSH: Duration = Duration::from_secs(2);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// The client side of one connection: requests, and publishes that wait for their `PUBACK`.
 pub(super) struct Link {

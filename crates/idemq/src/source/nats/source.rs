@@ -42,7 +42,7 @@ pub(super) struct Shared {
 
 impl Shared {
     fn buffer(&self) -> MutexGuard<'_, VecDeque<Received>> {
-        self.buffer.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.buffer)
     }
 }
 

@@ -38,7 +38,7 @@ pub(super) struct Shared {
 
 impl Shared {
     pub(super) fn held(&self) -> MutexGuard<'_, HashSet<String>> {
-        self.held.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.held)
     }
 
     pub(super) fn release(&self, id: &str) {

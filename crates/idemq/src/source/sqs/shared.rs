@@ -32,7 +32,7 @@ pub(super) struct Shared {
 
 impl Shared {
     pub(super) fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     pub(super) fn visibility_secs(&self) -> i32 {

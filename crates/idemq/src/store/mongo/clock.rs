@@ -13,6 +13,7 @@ use mongodb::bson::doc;
 use mongodb::Client;
 
 use crate::store::now_ms;
+use crate::sync::lock;
 
 /// How old an offset may get before it is measured again.
 pub(super) const REFRESH_EVERY: Duration = Duration::from_secs(30);
@@ -54,12 +55,12 @@ impl ServerClock {
     }
 
     fn is_due(&self) -> bool {
-        let due = self.due.lock().unwrap_or_else(|p| p.into_inner());
+        let due = lock(&self.due);
         due.is_none_or(|at| Instant::now() >= at)
     }
 
     fn schedule(&self, after: Duration) {
-        *self.due.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now() + after);
+        *lock(&self.due) = Some(Instant::now() + after);
     }
 
     async fn measure(&self, client: &Client) {

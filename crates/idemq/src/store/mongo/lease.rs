@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::TryStreamExt;
@@ -13,6 +13,7 @@ use super::error::map_err;
 use super::records::At;
 use super::MongoStore;
 use crate::error::StoreError;
+use crate::sync::lock;
 
 /// What identifies a held lease: the key, its epoch and generation, the token.
 #[derive(Debug, Clone)]
@@ -84,10 +85,6 @@ impl Beating {
             renewed: Arc::new(AtomicI64::new(core.renewed_until)),
         }
     }
-}
-
-pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Extends every lease of `leases` to `lease` past the server's now (one

@@ -29,7 +29,7 @@ use mongodb::bson::{doc, Bson, Document};
 
 use super::error::map_err;
 use super::ids::esc;
-use super::lease::{lock, release_in_background, spawn_heartbeat, Beating, LeaseCore};
+use super::lease::{release_in_background, spawn_heartbeat, Beating, LeaseCore};
 use super::records::{text, Decision, KeyView};
 use super::{MongoLease, MongoStore};
 use crate::error::StoreError;
@@ -39,6 +39,7 @@ use crate::store::unit::{
     Completion, MemberAnswer, MemberClaim, Undone, UnitOptions, UnitStore, WorkUnit,
 };
 use crate::store::Claim;
+use crate::sync::lock;
 
 /// A unit of work of the [`MongoStore`] (see the module docs). Dropped
 /// while it holds leases (its task was aborted), it releases them in the

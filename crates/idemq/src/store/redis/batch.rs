@@ -29,7 +29,7 @@
 
 use std::future::Future as _;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
@@ -39,6 +39,7 @@ use super::scripts::{lua_now, lua_record};
 use super::{done_value, map_err, millis, RedisConnection, RedisLease, RedisStore, Scripts};
 use crate::error::StoreErrorKind;
 use crate::store::{now_ms, Claim, StoreError};
+use crate::sync::lock;
 
 /// One held lease to complete in [`RedisStore::complete_leases`].
 #[derive(Debug)]
@@ -174,10 +175,6 @@ impl std::fmt::Debug for RedisLeaseGroup {
             .field("held", &lock(&self.held).len())
             .finish_non_exhaustive()
     }
-}
-
-fn lock(held: &Mutex<Vec<Held>>) -> MutexGuard<'_, Vec<Held>> {
-    held.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Extends every lease in `held` once; returns per lease whether it still held.

@@ -5,13 +5,14 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
 use super::batch::{extend, Held};
 use super::{RedisConnection, Scripts};
+use crate::sync::lock;
 
 /// How long the heartbeat task waits with nothing to extend before it
 /// checks whether its store is gone.
@@ -67,10 +68,6 @@ impl Drop for BeatGuard {
     fn drop(&mut self) {
         lock(&self.heartbeats.beats).remove(&self.id);
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn every(lease: Duration) -> Duration {

@@ -109,7 +109,7 @@ impl RedisStore {
     /// Whether `consumer`'s done index is due for its TTL renewal and
     /// trimming (about once a second per consumer); marks it done if so.
     pub(super) fn index_maintenance_due(&self, consumer: &str) -> bool {
-        let mut maintained = self.maintained.lock().unwrap_or_else(|p| p.into_inner());
+        let mut maintained = crate::sync::lock(&self.maintained);
         let now = Instant::now();
         match maintained.get_mut(consumer) {
             Some(last) if now.duration_since(*last) < INDEX_MAINTENANCE_EVERY => false,

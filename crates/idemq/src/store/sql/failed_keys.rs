@@ -63,9 +63,7 @@ impl FailedKeys {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // The state is a set of names: a panic elsewhere cannot leave it
         // half-changed in a way that matters, so a poisoned lock is used.
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::sync::lock(&self.state)
     }
 }
 
