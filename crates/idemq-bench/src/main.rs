@@ -410,14 +410,10 @@ async fn main() -> anyhow::Result<()> {
         rows.extend(r);
         versions.push(v);
         pg_bare = Some(base);
-        let (r, _, v) = sql::mysql_rows(&cfg).await.context("MariaDB rows")?;
+        let (r, _, v, counters) = sql::mysql_rows(&cfg).await.context("MariaDB rows")?;
         rows.extend(r);
         versions.push(v);
-        notes.push(
-            sql::mysql_profile(&cfg)
-                .await
-                .context("MariaDB server counters")?,
-        );
+        notes.push(counters);
         let (r, _, v) = sql::sqlite_rows(&cfg).await.context("SQLite rows")?;
         rows.extend(r);
         versions.push(v);

@@ -399,8 +399,9 @@ pub async fn postgres_rows(cfg: &Config) -> anyhow::Result<(Vec<Row>, f64, (Stri
     Ok((rows, base, version))
 }
 
-/// MariaDB: rows, the bare-effect median, the version line.
-pub async fn mysql_rows(cfg: &Config) -> anyhow::Result<(Vec<Row>, f64, (String, String))> {
+/// MariaDB: rows, the bare-effect median, the version line, and the note
+/// of the server's counters per message ([`mysql_profile`]).
+pub async fn mysql_rows(cfg: &Config) -> anyhow::Result<(Vec<Row>, f64, (String, String), String)> {
     use idemq::store::sql::mysql::MySqlStore;
     progress!("MariaDB: bare effect vs idemq per-message");
     let store = MySqlStore::connect_with(
@@ -418,6 +419,7 @@ pub async fn mysql_rows(cfg: &Config) -> anyhow::Result<(Vec<Row>, f64, (String,
             .fetch_one(store.pool())
             .await?;
     let m = mysql::measure(cfg, &store, cfg.concurrency, "MariaDB").await?;
+    let profile = mysql_profile(cfg, &store).await;
     store.pool().close().await;
     let (rows, base) = pair_rows("MariaDB", "BEGIN; INSERT; COMMIT", cfg.messages, &m);
     Ok((
@@ -427,6 +429,7 @@ pub async fn mysql_rows(cfg: &Config) -> anyhow::Result<(Vec<Row>, f64, (String,
             "MariaDB".into(),
             format!("{v} (innodb_flush_log_at_trx_commit={flush})"),
         ),
+        anyhow::Context::context(profile, "MariaDB server counters")?,
     ))
 }
 
@@ -475,8 +478,10 @@ pub async fn sqlite_rows(cfg: &Config) -> anyhow::Result<(Vec<Row>, f64, (String
 /// costs the server per message (statements, transactions, redo log writes),
 /// and one round trip's time on the same pool. The note says what bounds
 /// the per-message ratio.
-pub async fn mysql_profile(cfg: &Config) -> anyhow::Result<String> {
-    use idemq::store::sql::mysql::MySqlStore;
+async fn mysql_profile(
+    cfg: &Config,
+    store: &idemq::store::sql::mysql::MySqlStore,
+) -> anyhow::Result<String> {
     const COUNTERS: [&str; 7] = [
         "Questions",
         "Com_begin",
@@ -500,15 +505,8 @@ pub async fn mysql_profile(cfg: &Config) -> anyhow::Result<String> {
             .collect())
     }
     progress!("MariaDB: server counters per message, bare vs idemq");
-    let store = MySqlStore::connect_with(
-        &cfg.mysql,
-        SqlOptions::default()
-            .table_prefix(prefix("myp"))
-            .max_connections(cfg.pool),
-    )
-    .await?;
-    let ledger = mysql::setup(&store).await?;
-    let consumer = mysql::consumer(&store, &ledger, cfg.concurrency)?;
+    let ledger = mysql::setup(store).await?;
+    let consumer = mysql::consumer(store, &ledger, cfg.concurrency)?;
     let n = cfg.messages;
     let result = async {
         let mut conn = store.pool().acquire().await?;
@@ -521,7 +519,7 @@ pub async fn mysql_profile(cfg: &Config) -> anyhow::Result<String> {
         drop(conn);
         let mut lines = Vec::new();
         for bare_turn in [true, false] {
-            mysql::clear(&store, &ledger).await?;
+            mysql::clear(store, &ledger).await?;
             let before = status(store.pool()).await?;
             let rate = if bare_turn {
                 mysql::bare(store.pool(), &ledger, n, cfg.concurrency).await?
@@ -550,7 +548,6 @@ pub async fn mysql_profile(cfg: &Config) -> anyhow::Result<String> {
         ))
     }
     .await;
-    mysql::teardown(&store, &ledger).await;
-    store.pool().close().await;
+    mysql::teardown(store, &ledger).await;
     result
 }

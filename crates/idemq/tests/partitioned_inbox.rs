@@ -23,15 +23,10 @@ const STEP_MS: i64 = 1_000;
 /// A migrated store with a partitioned inbox of one-second partitions, its
 /// own ledger table, and the table prefix.
 async fn partitioned() -> (PostgresStore, String) {
-    let prefix = format!("{}_", support::unique("part"));
     let options = SqlOptions::default()
-        .table_prefix(&prefix)
         .max_connections(40)
         .partitioned_inbox(InboxPartitions::every(Duration::from_millis(1_000)).ahead(2));
-    let store = PostgresStore::connect_with(&support::postgres_url(), options)
-        .await
-        .expect("connect");
-    store.migrate().await.expect("migrate");
+    let (store, prefix) = support::postgres_store("part", options).await;
     sqlx::query(&format!(
         "CREATE TABLE {prefix}ledger (msg_key TEXT NOT NULL, claimed_at BIGINT NOT NULL)"
     ))
@@ -42,13 +37,7 @@ async fn partitioned() -> (PostgresStore, String) {
 }
 
 async fn cleanup(store: &PostgresStore, prefix: &str) {
-    for sql in [
-        format!("DROP TABLE IF EXISTS {prefix}inbox, {prefix}inbox_layout, {prefix}attempts, {prefix}dead_letters, {prefix}schema_migrations, {prefix}offsets, {prefix}effects, {prefix}ledger"),
-        format!("DROP FUNCTION IF EXISTS {prefix}inbox_claim"),
-        format!("DROP FUNCTION IF EXISTS {prefix}effects_put"),
-    ] {
-        sqlx::query(&sql).execute(store.pool()).await.expect(&sql);
-    }
+    support::drop_tables(store.pool(), prefix).await;
 }
 
 use support::claim_request as req;
@@ -425,14 +414,7 @@ async fn retention_drops_partitions_while_engine_consumers_run() {
 /// later is a configuration error, not a silent conversion.
 #[tokio::test]
 async fn a_plain_inbox_is_not_converted() {
-    let prefix = format!("{}_", support::unique("plain"));
-    let plain = PostgresStore::connect_with(
-        &support::postgres_url(),
-        SqlOptions::default().table_prefix(&prefix),
-    )
-    .await
-    .unwrap();
-    plain.migrate().await.unwrap();
+    let (plain, prefix) = support::postgres_store("plain", SqlOptions::default()).await;
     let wants_parts = PostgresStore::from_pool(
         plain.pool().clone(),
         SqlOptions::default()
@@ -445,6 +427,40 @@ async fn a_plain_inbox_is_not_converted() {
     assert!(err.to_string().contains("one table"), "{err}");
     // It still claims, the plain way.
     assert!(apply_plain(&wants_parts).await);
+    cleanup(&plain, &prefix).await;
+}
+
+/// A plain inbox migrated before the journal existed (schema version 2)
+/// is refused before anything is migrated: no journal, partitioned or not,
+/// is added beside it.
+#[tokio::test]
+async fn a_plain_inbox_gets_no_partitioned_journal() {
+    let (plain, prefix) = support::postgres_store("plainv2", SqlOptions::default()).await;
+    for sql in [
+        format!("DROP TABLE {prefix}effects"),
+        format!("ALTER TABLE {prefix}dead_letters DROP COLUMN letter_id"),
+        format!("DELETE FROM {prefix}schema_migrations WHERE version >= 3"),
+    ] {
+        sqlx::query(&sql).execute(plain.pool()).await.expect(&sql);
+    }
+    let wants_parts = PostgresStore::from_pool(
+        plain.pool().clone(),
+        SqlOptions::default()
+            .table_prefix(&prefix)
+            .partitioned_inbox(InboxPartitions::daily()),
+    )
+    .unwrap();
+    let err = wants_parts.migrate().await.unwrap_err();
+    assert_eq!(err.kind(), StoreErrorKind::Config, "{err}");
+    let journal: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(format!("{prefix}effects"))
+        .fetch_one(plain.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        journal, None,
+        "a journal was created beside the plain inbox"
+    );
     cleanup(&plain, &prefix).await;
 }
 

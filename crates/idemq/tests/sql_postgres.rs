@@ -15,25 +15,16 @@ use std::time::Duration;
 
 use idemq::engine::BatchOptions;
 use idemq::source::queue::MemoryQueue;
-use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::sql::SqlOptions;
-use idemq::store::{Claim, Store, StoreAdmin};
+use idemq::store::{Claim, Store};
 use idemq::{Consumer, KeySpec, Message, OutcomeKind, StoreErrorKind};
 
 use support::claim_request as req;
 
 #[tokio::test]
 async fn a_connection_dropped_in_the_pool_costs_one_transient_claim() {
-    let prefix = format!("{}_", support::unique("pool"));
-    let store = PostgresStore::connect_with(
-        &support::postgres_url(),
-        SqlOptions::default()
-            .table_prefix(&prefix)
-            .max_connections(1),
-    )
-    .await
-    .unwrap();
-    store.migrate().await.unwrap();
+    let (store, prefix) =
+        support::postgres_store("pool", SqlOptions::default().max_connections(1)).await;
     let Claim::New(tx) = store.claim(&req("order-1")).await.unwrap() else {
         panic!("new key");
     };
@@ -70,12 +61,7 @@ async fn a_connection_dropped_in_the_pool_costs_one_transient_claim() {
         store.claim(&req("order-1")).await.unwrap(),
         Claim::Done(_)
     ));
-    for table in support::TEST_TABLES.iter().chain(&["effects"]) {
-        sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
-            .execute(&admin)
-            .await
-            .unwrap();
-    }
+    support::drop_tables(&admin, &prefix).await;
 }
 
 /// The inbox's scan counters, once the statistics of `inserted` rows and
@@ -114,14 +100,7 @@ async fn scans_after(pool: &sqlx::PgPool, inbox: &str, inserted: i64, updated: i
 async fn batch_results_reach_a_fresh_inbox_by_key_not_by_scan() {
     const ROWS: i64 = 20_000;
     const BATCH: usize = 100;
-    let prefix = format!("{}_", support::unique("plan"));
-    let store = PostgresStore::connect_with(
-        &support::postgres_url(),
-        SqlOptions::default().table_prefix(&prefix),
-    )
-    .await
-    .unwrap();
-    store.migrate().await.unwrap();
+    let (store, prefix) = support::postgres_store("plan", SqlOptions::default()).await;
     let inbox = store.tables().inbox.clone();
     // A fresh inbox of 20 000 rows that autovacuum has not analysed: the
     // size at which the planner, left alone, hashes a scan of all of it.
@@ -187,24 +166,12 @@ async fn batch_results_reach_a_fresh_inbox_by_key_not_by_scan() {
     .unwrap();
     assert_eq!(stored, (BATCH * 3) as i64, "every result stored");
 
-    for table in support::TEST_TABLES.iter().chain(&["effects"]) {
-        sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
-            .execute(store.pool())
-            .await
-            .unwrap();
-    }
+    support::drop_tables(store.pool(), &prefix).await;
 }
 
 #[tokio::test]
 async fn a_journal_connection_dropped_in_its_pool_costs_one_transient_write() {
-    let prefix = format!("{}_", support::unique("jpool"));
-    let store = PostgresStore::connect_with(
-        &support::postgres_url(),
-        SqlOptions::default().table_prefix(&prefix),
-    )
-    .await
-    .unwrap();
-    store.migrate().await.unwrap();
+    let (store, prefix) = support::postgres_store("jpool", SqlOptions::default()).await;
     let journal = store.journal().expect("a journal");
     let first = serde_json::json!({ "charge": "ch_1" });
     journal
@@ -257,10 +224,5 @@ async fn a_journal_connection_dropped_in_its_pool_costs_one_transient_write() {
         .await
         .unwrap();
     assert_eq!(rows, 2, "each step journaled once");
-    for table in support::TEST_TABLES.iter().chain(&["effects"]) {
-        sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
-            .execute(&admin)
-            .await
-            .unwrap();
-    }
+    support::drop_tables(&admin, &prefix).await;
 }

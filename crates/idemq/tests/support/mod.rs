@@ -229,19 +229,33 @@ impl Ledger {
     /// Drops the test's tables.
     pub async fn cleanup(self) {
         let prefix = self.store.tables().prefix.clone();
-        for table in TEST_TABLES {
-            let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
-                .execute(self.store.pool())
-                .await;
-        }
-        // A partitioned inbox's layout row, claim and journal functions.
-        for sql in [
-            format!("DROP TABLE IF EXISTS {prefix}inbox_layout"),
-            format!("DROP FUNCTION IF EXISTS {prefix}inbox_claim"),
-            format!("DROP FUNCTION IF EXISTS {prefix}effects_put"),
-        ] {
-            let _ = sqlx::query(&sql).execute(self.store.pool()).await;
-        }
+        drop_tables(self.store.pool(), &prefix).await;
+    }
+}
+
+/// A migrated PostgreSQL store with `options` under a fresh table prefix
+/// (`{tag}…_`), and the prefix.
+pub async fn postgres_store(tag: &str, options: SqlOptions) -> (PostgresStore, String) {
+    let prefix = format!("{}_", unique(tag));
+    let store = PostgresStore::connect_with(&postgres_url(), options.table_prefix(&prefix))
+        .await
+        .expect("connect");
+    store.migrate().await.expect("migrate");
+    (store, prefix)
+}
+
+/// Drops what a test made under `prefix`: [`TEST_TABLES`], the journal, and
+/// a partitioned layout's layout row, claim and journal functions.
+pub async fn drop_tables(pool: &sqlx::PgPool, prefix: &str) {
+    for table in TEST_TABLES.iter().chain(&["effects", "inbox_layout"]) {
+        let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
+            .execute(pool)
+            .await;
+    }
+    for function in ["inbox_claim", "effects_put"] {
+        let _ = sqlx::query(&format!("DROP FUNCTION IF EXISTS {prefix}{function}"))
+            .execute(pool)
+            .await;
     }
 }
 

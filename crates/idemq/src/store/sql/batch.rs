@@ -78,7 +78,7 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         };
         let inserted: HashSet<String> = DB::fetch(&mut tx, &sql, &binds, &[Column::Text])
             .await
-            .map_err(|e| self.claim_error(layout, e))?
+            .map_err(|e| self.partitioned_error(layout, e))?
             .iter()
             .map(|row| row.text(0))
             .collect::<Result<_, _>>()

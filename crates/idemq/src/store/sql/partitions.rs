@@ -167,23 +167,19 @@ impl PartitionSql {
                  result_json TEXT NOT NULL, created_at BIGINT NOT NULL, \
                  PRIMARY KEY (consumer, msg_key, step, created_at)) PARTITION BY RANGE (created_at)"
             ),
-            format!(
-                "CREATE OR REPLACE FUNCTION {put_function}(p_consumer TEXT, p_key TEXT, \
-                 p_step TEXT, p_result TEXT, p_created_at BIGINT) RETURNS BOOLEAN \
-                 LANGUAGE plpgsql VOLATILE AS $idemq$ \
-                 BEGIN \
-                   IF current_setting('transaction_isolation') <> 'read committed' THEN \
-                     RAISE EXCEPTION 'a partitioned idemq journal writes under READ COMMITTED only, not %', \
-                       current_setting('transaction_isolation') USING ERRCODE = 'feature_not_supported'; \
-                   END IF; \
-                   PERFORM pg_advisory_xact_lock(hashtextextended(p_consumer || chr(1) || p_key || chr(1) || p_step, 7243219089)); \
-                   IF EXISTS (SELECT 1 FROM {effects} WHERE consumer = p_consumer AND msg_key = p_key AND step = p_step) THEN \
-                     RETURN FALSE; \
-                   END IF; \
-                   INSERT INTO {effects} (consumer, msg_key, step, result_json, created_at) \
-                     VALUES (p_consumer, p_key, p_step, p_result, p_created_at); \
-                   RETURN TRUE; \
-                 END $idemq$"
+            // The single-bigint key space: apart from the claims' pairs.
+            lock_look_insert(
+                put_function,
+                "p_consumer TEXT, p_key TEXT, p_step TEXT, p_result TEXT, p_created_at BIGINT",
+                "journal writes",
+                "hashtextextended(p_consumer || chr(1) || p_key || chr(1) || p_step, 7243219089)",
+                &format!(
+                    "{effects} WHERE consumer = p_consumer AND msg_key = p_key AND step = p_step"
+                ),
+                &format!(
+                    "{effects} (consumer, msg_key, step, result_json, created_at) \
+                     VALUES (p_consumer, p_key, p_step, p_result, p_created_at)"
+                ),
             ),
         ]
     }
@@ -223,23 +219,16 @@ impl PartitionSql {
                 "INSERT INTO {layout_table} (interval_ms, ahead) SELECT {interval_ms}, {ahead} \
                  WHERE NOT EXISTS (SELECT 1 FROM {layout_table})"
             ),
-            format!(
-                "CREATE OR REPLACE FUNCTION {function}(p_consumer TEXT, p_key TEXT, \
-                 p_fingerprint TEXT, p_created_at BIGINT) RETURNS BOOLEAN \
-                 LANGUAGE plpgsql VOLATILE AS $idemq$ \
-                 BEGIN \
-                   IF current_setting('transaction_isolation') <> 'read committed' THEN \
-                     RAISE EXCEPTION 'a partitioned idemq inbox claims under READ COMMITTED only, not %', \
-                       current_setting('transaction_isolation') USING ERRCODE = 'feature_not_supported'; \
-                   END IF; \
-                   PERFORM pg_advisory_xact_lock(hashtext(p_consumer), hashtext(p_key)); \
-                   IF EXISTS (SELECT 1 FROM {inbox} WHERE consumer = p_consumer AND msg_key = p_key) THEN \
-                     RETURN FALSE; \
-                   END IF; \
-                   INSERT INTO {inbox} (consumer, msg_key, fingerprint, created_at) \
-                     VALUES (p_consumer, p_key, p_fingerprint, p_created_at); \
-                   RETURN TRUE; \
-                 END $idemq$"
+            lock_look_insert(
+                function,
+                "p_consumer TEXT, p_key TEXT, p_fingerprint TEXT, p_created_at BIGINT",
+                "inbox claims",
+                "hashtext(p_consumer), hashtext(p_key)",
+                &format!("{inbox} WHERE consumer = p_consumer AND msg_key = p_key"),
+                &format!(
+                    "{inbox} (consumer, msg_key, fingerprint, created_at) \
+                     VALUES (p_consumer, p_key, p_fingerprint, p_created_at)"
+                ),
             ),
         ]
     }
@@ -268,20 +257,9 @@ impl PartitionSql {
         )
     }
 
-    /// Which layout the inbox has: `None` while the table does not exist.
-    pub(super) async fn detect<DB: SqlDatabase>(
-        &self,
-        conn: &mut DB::Connection,
-    ) -> Result<Option<Layout>, StoreError> {
-        detect_table::<DB>(conn, &self.inbox).await
-    }
-
-    /// Which layout the effect journal has: `None` while it does not exist.
-    pub(super) async fn detect_journal<DB: SqlDatabase>(
-        &self,
-        conn: &mut DB::Connection,
-    ) -> Result<Option<Layout>, StoreError> {
-        detect_table::<DB>(conn, &self.effects).await
+    /// The inbox table.
+    pub(super) fn inbox(&self) -> &str {
+        &self.inbox
     }
 
     /// The partitioned tables among the inbox and the journal.
@@ -299,8 +277,40 @@ impl PartitionSql {
     }
 }
 
+/// A volatile PL/pgSQL function `name(params)` returning whether it inserted:
+/// it refuses any isolation level but READ COMMITTED (where its look-up
+/// would read an old snapshot), takes the transaction-scoped advisory lock
+/// `lock`, returns false if `SELECT 1 FROM {found}` finds a row (a statement
+/// of its own: a new snapshot), and otherwise runs `INSERT INTO {insert}`.
+/// `what` names the callers in the refusal.
+fn lock_look_insert(
+    name: &str,
+    params: &str,
+    what: &str,
+    lock: &str,
+    found: &str,
+    insert: &str,
+) -> String {
+    format!(
+        "CREATE OR REPLACE FUNCTION {name}({params}) RETURNS BOOLEAN \
+         LANGUAGE plpgsql VOLATILE AS $idemq$ \
+         BEGIN \
+           IF current_setting('transaction_isolation') <> 'read committed' THEN \
+             RAISE EXCEPTION 'partitioned idemq {what} run under READ COMMITTED only, not %', \
+               current_setting('transaction_isolation') USING ERRCODE = 'feature_not_supported'; \
+           END IF; \
+           PERFORM pg_advisory_xact_lock({lock}); \
+           IF EXISTS (SELECT 1 FROM {found}) THEN \
+             RETURN FALSE; \
+           END IF; \
+           INSERT INTO {insert}; \
+           RETURN TRUE; \
+         END $idemq$"
+    )
+}
+
 /// Which layout `table` has: `None` while it does not exist.
-async fn detect_table<DB: SqlDatabase>(
+pub(super) async fn detect_table<DB: SqlDatabase>(
     conn: &mut DB::Connection,
     table: &str,
 ) -> Result<Option<Layout>, StoreError> {

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::database::{Bind, Column, SqlDatabase, SqlRow};
-use super::partitions::{InboxPartitions, Layout, PartitionSql, Upkeep};
+use super::partitions::{detect_table, InboxPartitions, Layout, PartitionSql, Upkeep};
 use super::{
     connect_error, migrate, queries, store_error, BatchQueries, Dialect, Queries, SqlOptions,
     Tables,
@@ -154,33 +154,32 @@ impl<DB: SqlDatabase> SqlStore<DB> {
     /// The inbox's layout, read from the database once the inbox exists
     /// (PostgreSQL; the other databases have one layout).
     pub(super) async fn layout(&self) -> Result<Layout, StoreError> {
-        if DB::DIALECT != Dialect::Postgres {
-            return Ok(Layout::Plain);
-        }
-        if let Some(layout) = self.parts.layout.get() {
-            return Ok(*layout);
-        }
-        let mut conn = self.pool.acquire().await.map_err(store_error)?;
-        let detected = self.parts.sql.detect::<DB>(&mut conn).await?;
-        Ok(match detected {
-            Some(layout) => *self.parts.layout.get_or_init(|| layout),
-            // No inbox yet: the claim will say so.
-            None => Layout::Plain,
-        })
+        self.table_layout(&self.parts.layout, self.parts.sql.inbox())
+            .await
     }
 
-    /// The effect journal's layout, read like [`layout`](Self::layout).
+    /// The effect journal's layout, read the same way.
     pub(super) async fn journal_layout(&self) -> Result<Layout, StoreError> {
+        self.table_layout(&self.parts.journal_layout, self.parts.sql.effects())
+            .await
+    }
+
+    /// The layout of `table`, kept in `seen` once the table exists.
+    async fn table_layout(
+        &self,
+        seen: &std::sync::OnceLock<Layout>,
+        table: &str,
+    ) -> Result<Layout, StoreError> {
         if DB::DIALECT != Dialect::Postgres {
             return Ok(Layout::Plain);
         }
-        if let Some(layout) = self.parts.journal_layout.get() {
+        if let Some(layout) = seen.get() {
             return Ok(*layout);
         }
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
-        let detected = self.parts.sql.detect_journal::<DB>(&mut conn).await?;
-        Ok(match detected {
-            Some(layout) => *self.parts.journal_layout.get_or_init(|| layout),
+        Ok(match detect_table::<DB>(&mut conn, table).await? {
+            Some(layout) => *seen.get_or_init(|| layout),
+            // No table yet: the statement will say so.
             None => Layout::Plain,
         })
     }
@@ -229,16 +228,10 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         }
     }
 
-    /// A claim's database error as a store error: on a partitioned inbox, a
-    /// row no partition holds (SQLSTATE 23514) is transient, and makes the
-    /// next claim create the partitions first.
-    pub(super) fn claim_error(&self, layout: Layout, err: sqlx::Error) -> StoreError {
-        self.partitioned_error(layout, err)
-    }
-
-    /// A database error of a statement on a table in `layout` as a store
-    /// error: a row no partition holds (SQLSTATE 23514) is transient, and
-    /// makes the next claim or journal write create the partitions first.
+    /// A claim's or journal write's database error as a store error: on a
+    /// partitioned table, a row no partition holds (SQLSTATE 23514) is
+    /// transient, and makes the next claim or write create the partitions
+    /// first.
     pub(super) fn partitioned_error(&self, layout: Layout, err: sqlx::Error) -> StoreError {
         let no_partition = layout == Layout::Partitioned
             && matches!(&err, sqlx::Error::Database(db) if db.code().as_deref() == Some("23514"));
@@ -332,7 +325,7 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         let layout = self.layout().await?;
         let inserted = DB::execute(tx, self.claim_sql(layout), &binds)
             .await
-            .map_err(|e| self.claim_error(layout, e))?;
+            .map_err(|e| self.partitioned_error(layout, e))?;
         Ok(inserted == 1)
     }
 
@@ -558,7 +551,7 @@ impl<DB: SqlDatabase> StoreAdmin for SqlStore<DB> {
         let existing = match wanted {
             Some(_) => {
                 let mut conn = self.pool.acquire().await.map_err(store_error)?;
-                self.parts.sql.detect::<DB>(&mut conn).await?
+                detect_table::<DB>(&mut conn, &self.tables.inbox).await?
             }
             None => None,
         };
