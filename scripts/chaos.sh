@@ -12,9 +12,10 @@
 #                               (Kafka) × MariaDB, and lease batches
 #                               (JSON lines × Redis); "every other store"
 #                               includes MongoDB (FerretDB, scripts/ferretdb.sh)
-#                               and postgres-part, PostgreSQL with a
-#                               time-partitioned inbox of 2 s partitions
-#   scripts/chaos.sh --full     every source × every store (48 cells), plus
+#                               and postgres-part / mysql-part, PostgreSQL /
+#                               MariaDB with a time-partitioned inbox of 2 s
+#                               partitions
+#   scripts/chaos.sh --full     every source × every store (56 cells), plus
 #                               the batch and both watermark cells × every SQL store
 #                               and the batch cells × Redis and MongoDB (lease batches)
 #   scripts/chaos.sh --cells 'jsonl:sqlite amqp:redis kafka:mysql:watermark'
@@ -123,33 +124,34 @@ store_url() {
   case "$1" in
     sqlite) echo "sqlite://$DIR/chaos.db" ;;
     postgres|postgres-part) echo "postgres://postgres@127.0.0.1:5432/test" ;;
-    mysql) echo "mysql://root@127.0.0.1:3306/test" ;;
+    mysql|mysql-part) echo "mysql://root@127.0.0.1:3306/test" ;;
     redis) echo "redis://127.0.0.1:6379" ;;
     mongo) echo "mongodb://127.0.0.1:27017/idemq_chaos" ;;
     *) echo "chaos.sh: unknown store $1" >&2; return 1 ;;
   esac
 }
 
-# The time-partitioned PostgreSQL inbox, with two-second partitions so that
-# kills and duplicates land on both sides of partition boundaries.
+# The time-partitioned PostgreSQL and MariaDB inboxes, with two-second
+# partitions so that kills and duplicates land on both sides of partition
+# boundaries.
 store_args() {
   case "$1" in
-    postgres-part) echo "--partitioned-inbox 2s" ;;
+    postgres-part|mysql-part) echo "--partitioned-inbox 2s" ;;
   esac
 }
 
 SOURCES="jsonl kafka amqp sqs nats redis-stream mqtt rocketmq"
-STORES="sqlite postgres postgres-part mysql redis mongo"
+STORES="sqlite postgres postgres-part mysql mysql-part redis mongo"
 if [ -z "$cells" ]; then
   if [ "$mode" = full ]; then
     for st in $STORES; do for so in $SOURCES; do cells="$cells $so:$st"; done; done
-    for st in sqlite postgres postgres-part mysql; do
+    for st in sqlite postgres postgres-part mysql mysql-part; do
       cells="$cells jsonl:$st:batch amqp:$st:batch kafka:$st:watermark kafka:$st:concurrent"
     done
     cells="$cells jsonl:redis:batch amqp:redis:batch jsonl:mongo:batch amqp:mongo:batch"
   else
     for so in $SOURCES; do cells="$cells $so:postgres"; done
-    for st in sqlite mysql redis mongo postgres-part; do cells="$cells jsonl:$st amqp:$st"; done
+    for st in sqlite mysql redis mongo postgres-part mysql-part; do cells="$cells jsonl:$st amqp:$st"; done
     cells="$cells jsonl:postgres:batch amqp:postgres:batch kafka:postgres:watermark"
     cells="$cells kafka:mysql:concurrent jsonl:redis:batch"
   fi

@@ -52,6 +52,23 @@ pub struct StoreUrl {
     pub display: String,
 }
 
+impl StoreUrl {
+    /// A usage error unless the store can keep a time-partitioned inbox
+    /// (PostgreSQL, MariaDB).
+    pub fn check_partitionable(&self) -> anyhow::Result<()> {
+        match self.kind {
+            #[cfg(feature = "postgres")]
+            Kind::Postgres => Ok(()),
+            #[cfg(feature = "mysql")]
+            Kind::MySql => Ok(()),
+            #[allow(unreachable_patterns)]
+            _ => Err(crate::exit::usage(format!(
+                "--partitioned-inbox needs a postgres:// or mariadb:// store, not {self}"
+            ))),
+        }
+    }
+}
+
 impl fmt::Display for StoreUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.display)

@@ -939,24 +939,56 @@ async fn consume_into_a_partitioned_postgres_inbox() {
         .expect("read ledger");
     assert_eq!(rows, i64::try_from(expected_ledger().len()).unwrap());
     drop_tables(&pool, &ledger, &prefix).await;
-    for sql in [
-        format!("DROP TABLE IF EXISTS {prefix}inbox_layout, {prefix}effects"),
-        format!("DROP FUNCTION IF EXISTS {prefix}inbox_claim"),
-        format!("DROP FUNCTION IF EXISTS {prefix}effects_put"),
-    ] {
-        sqlx::raw_sql(&sql).execute(&pool).await.expect(&sql);
-    }
+    pool.close().await;
+}
+
+/// The same on MariaDB: `migrate --partitioned-inbox` makes the inbox
+/// partitioned, with partitions ahead, and `consume` dedups through it.
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn consume_into_a_partitioned_mariadb_inbox() {
+    let url = std::env::var("IDEMQ_TEST_MYSQL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let f = Fixture::new();
+    let prefix = format!("tp{}_", unique_suffix());
+    let migrate = [
+        "--table-prefix",
+        &prefix,
+        "migrate",
+        "--partitioned-inbox",
+        "1h",
+    ];
+    idemq(&url, &migrate).expect_code(0);
+    let (ledger, prefix) = consume_into_prefix(&url, "VARCHAR(64)", &f.input, &prefix);
+    let pool = sqlx::MySqlPool::connect(&url)
+        .await
+        .expect("connect mariadb");
+    let partitions: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.PARTITIONS WHERE TABLE_SCHEMA = DATABASE() \
+         AND TABLE_NAME = ? AND PARTITION_NAME IS NOT NULL",
+    )
+    .bind(format!("{prefix}inbox"))
+    .fetch_one(&pool)
+    .await
+    .expect("the inbox's partitions");
+    assert_eq!(partitions, 3, "the current hour and two ahead");
+    let rows: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {ledger}"))
+        .fetch_one(&pool)
+        .await
+        .expect("read ledger");
+    assert_eq!(rows, i64::try_from(expected_ledger().len()).unwrap());
+    drop_tables(&pool, &ledger, &prefix).await;
     pool.close().await;
 }
 
 #[cfg(feature = "sqlite")]
 #[test]
-fn a_partitioned_inbox_is_postgres_only() {
+fn a_partitioned_inbox_needs_postgres_or_mariadb() {
     let f = Fixture::new();
     let run = f
         .run(&["migrate", "--partitioned-inbox", "1d"])
         .expect_code(2);
-    assert!(run.stderr.contains("postgres://"), "{run:#?}");
+    assert!(run.stderr.contains("postgres:// or mariadb://"), "{run:#?}");
 }
 
 #[cfg(feature = "mysql")]
@@ -1098,8 +1130,17 @@ where
         format!("{prefix}dead_letters"),
         format!("{prefix}schema_migrations"),
         format!("{prefix}offsets"),
+        // A partitioned layout's journal, layout row and guard rows.
+        format!("{prefix}effects"),
+        format!("{prefix}inbox_layout"),
+        format!("{prefix}inbox_guard"),
     ] {
         let _ = sqlx::raw_sql(&format!("DROP TABLE IF EXISTS {name}"))
+            .execute(pool)
+            .await;
+    }
+    for function in ["inbox_claim", "effects_put"] {
+        let _ = sqlx::raw_sql(&format!("DROP FUNCTION IF EXISTS {prefix}{function}"))
             .execute(pool)
             .await;
     }

@@ -273,6 +273,16 @@ async fn two_steps_and_pruning<E: Env>(env: &E) {
         .await
         .unwrap()
         .is_some());
+    // Both steps, in step order, each with its stored result.
+    let steps = journal.steps(&name, "p-3").await.unwrap();
+    let names: Vec<&str> = steps.iter().map(|(step, _)| step.as_str()).collect();
+    assert_eq!(names, ["charge", "receipt"]);
+    for (step, result) in &steps {
+        assert_eq!(
+            journal.get(&name, "p-3", step).await.unwrap().as_ref(),
+            Some(result)
+        );
+    }
     // A cutoff in the past keeps everything.
     retention::prune_before(&**store, now_ms() - 60_000, 100, Duration::ZERO)
         .await
@@ -447,6 +457,7 @@ macro_rules! server_effects_test {
             // A partitioned layout's layout row and functions, if any.
             for sql in [
                 format!("DROP TABLE IF EXISTS {}_layout", t.inbox),
+                format!("DROP TABLE IF EXISTS {}_guard", t.inbox),
                 format!("DROP FUNCTION IF EXISTS {}_claim", t.inbox),
                 format!("DROP FUNCTION IF EXISTS {}_put", t.effects),
             ] {
@@ -473,6 +484,16 @@ server_effects_test!(
     Duration::from_millis(1_000)
 );
 server_effects_test!(effects_on_mysql, MySql, MySqlStore, support::mysql_url());
+server_effects_test!(
+    effects_on_partitioned_mysql,
+    MySql,
+    MySqlStore,
+    support::mysql_url(),
+    SqlOptions::default().partitioned_inbox(idemq::store::sql::InboxPartitions::every(
+        Duration::from_secs(1)
+    )),
+    Duration::from_millis(1_000)
+);
 
 #[cfg(feature = "redis")]
 #[tokio::test]

@@ -24,7 +24,8 @@ use support::claim_request as req;
 #[tokio::test]
 async fn a_connection_dropped_in_the_pool_costs_one_transient_claim() {
     let (store, prefix) =
-        support::postgres_store("pool", SqlOptions::default().max_connections(1)).await;
+        support::sql_store::<sqlx::Postgres>("pool", SqlOptions::default().max_connections(1))
+            .await;
     let Claim::New(tx) = store.claim(&req("order-1")).await.unwrap() else {
         panic!("new key");
     };
@@ -100,7 +101,7 @@ async fn scans_after(pool: &sqlx::PgPool, inbox: &str, inserted: i64, updated: i
 async fn batch_results_reach_a_fresh_inbox_by_key_not_by_scan() {
     const ROWS: i64 = 20_000;
     const BATCH: usize = 100;
-    let (store, prefix) = support::postgres_store("plan", SqlOptions::default()).await;
+    let (store, prefix) = support::sql_store::<sqlx::Postgres>("plan", SqlOptions::default()).await;
     let inbox = store.tables().inbox.clone();
     // A fresh inbox of 20 000 rows that autovacuum has not analysed: the
     // size at which the planner, left alone, hashes a scan of all of it.
@@ -171,7 +172,8 @@ async fn batch_results_reach_a_fresh_inbox_by_key_not_by_scan() {
 
 #[tokio::test]
 async fn a_journal_connection_dropped_in_its_pool_costs_one_transient_write() {
-    let (store, prefix) = support::postgres_store("jpool", SqlOptions::default()).await;
+    let (store, prefix) =
+        support::sql_store::<sqlx::Postgres>("jpool", SqlOptions::default()).await;
     let journal = store.journal().expect("a journal");
     let first = serde_json::json!({ "charge": "ch_1" });
     journal

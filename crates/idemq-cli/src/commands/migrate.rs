@@ -12,7 +12,7 @@ use crate::Command;
 #[derive(Debug, Clone, clap::Args)]
 pub struct MigrateArgs {
     /// Create the inbox time-partitioned, one partition per DURATION (e.g.
-    /// `1d`), when it does not exist yet (PostgreSQL). Retention then drops
+    /// `1d`), when it does not exist yet (PostgreSQL, MariaDB). Retention then drops
     /// whole partitions. An inbox that exists keeps its layout.
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     pub partitioned_inbox: Option<Duration>,
@@ -28,8 +28,8 @@ pub struct MigrateArgs {
 }
 
 /// The SQL store options of a command: the table prefix, and for
-/// `migrate --partitioned-inbox` the partitioned layout (PostgreSQL only: a
-/// usage error on another store).
+/// `migrate --partitioned-inbox` the partitioned layout (PostgreSQL and
+/// MariaDB only: a usage error on another store).
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub fn sql_options(
     table_prefix: &str,
@@ -44,15 +44,7 @@ pub fn sql_options(
     else {
         return Ok(options);
     };
-    #[cfg(feature = "postgres")]
-    let postgres = url.kind == crate::backend::Kind::Postgres;
-    #[cfg(not(feature = "postgres"))]
-    let postgres = false;
-    if !postgres {
-        return Err(crate::exit::usage(format!(
-            "--partitioned-inbox needs a postgres:// store, not {url}"
-        )));
-    }
+    url.check_partitionable()?;
     Ok(options.partitioned_inbox(
         idemq::store::sql::InboxPartitions::every(*interval).ahead(*partitions_ahead),
     ))

@@ -124,7 +124,11 @@ pub trait SqlTestStore: Store + StoreAdmin + Clone + Sized {
     async fn open(url: &str, prefix: &str) -> Self;
     /// A second store on the same pool and tables (another process's view:
     /// nothing it remembers is shared).
-    fn another(&self) -> Self;
+    fn another(&self) -> Self {
+        self.with_options(idemq::store::sql::SqlOptions::default())
+    }
+    /// A store on the same pool with `options` and this store's tables.
+    fn with_options(&self, options: idemq::store::sql::SqlOptions) -> Self;
     async fn exec(&self, sql: &str);
     fn insert_sql(table: &str) -> String;
     async fn rows(&self, sql: &str) -> Vec<(String, i64)>;
@@ -156,9 +160,8 @@ macro_rules! sql_test_store {
                     .await
                     .expect("connect to the test database")
             }
-            fn another(&self) -> Self {
-                let options =
-                    idemq::store::sql::SqlOptions::default().table_prefix(&self.tables().prefix);
+            fn with_options(&self, options: idemq::store::sql::SqlOptions) -> Self {
+                let options = options.table_prefix(&self.tables().prefix);
                 <$store>::from_pool(self.pool().clone(), options).expect("a second store")
             }
             async fn exec(&self, sql: &str) {
@@ -368,28 +371,30 @@ impl<S: SqlTestStore> SqlBackend<S> {
     }
 }
 
-/// The partition interval of [`PartitionedPostgres`].
-#[cfg(feature = "postgres")]
+/// The partition interval of [`Partitioned`].
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 const PARTITION: Duration = Duration::from_secs(1);
 
-/// PostgreSQL with a time-partitioned inbox of one-second partitions, so
-/// that every scenario's claims and duplicates cross partition boundaries.
-#[cfg(feature = "postgres")]
-pub struct PartitionedPostgres(SqlBackend<idemq::store::sql::postgres::PostgresStore>);
+/// PostgreSQL or MariaDB with a time-partitioned inbox of one-second
+/// partitions, so that every scenario's claims and duplicates cross
+/// partition boundaries.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub struct Partitioned<S>(SqlBackend<S>);
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 #[async_trait]
-impl Backend for PartitionedPostgres {
-    type S = idemq::store::sql::postgres::PostgresStore;
+impl<S: SqlTestStore> Backend for Partitioned<S>
+where
+    S::Tx: Send,
+{
+    type S = S;
 
     async fn fresh() -> Self {
         use idemq::store::sql::{InboxPartitions, SqlOptions};
-        let (plain, prefix, dir) = unmigrated::<Self::S>().await;
-        let options = SqlOptions::default()
-            .table_prefix(&prefix)
-            .partitioned_inbox(InboxPartitions::every(PARTITION).ahead(3));
-        let store = Self::S::from_pool(plain.pool().clone(), options).expect("a store");
-        Self(SqlBackend::migrated(store, prefix, dir).await)
+        let (plain, prefix, dir) = unmigrated::<S>().await;
+        let options =
+            SqlOptions::default().partitioned_inbox(InboxPartitions::every(PARTITION).ahead(3));
+        Self(SqlBackend::migrated(plain.with_options(options), prefix, dir).await)
     }
 
     fn store(&self) -> Self::S {
@@ -421,6 +426,11 @@ impl Backend for PartitionedPostgres {
         store
             .exec(&format!("DROP FUNCTION IF EXISTS {p}effects_put"))
             .await;
+        for table in ["effects", "inbox_guard"] {
+            store
+                .exec(&format!("DROP TABLE IF EXISTS {p}{table}"))
+                .await;
+        }
     }
 }
 

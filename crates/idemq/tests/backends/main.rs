@@ -44,9 +44,24 @@ mod postgres {
 /// partitions: claims and their duplicates cross partition boundaries.
 #[cfg(feature = "postgres")]
 mod postgres_partitioned {
-    crate::scenarios::suite!(crate::backend::PartitionedPostgres);
+    crate::scenarios::suite!(
+        crate::backend::Partitioned<idemq::store::sql::postgres::PostgresStore>
+    );
     mod batch {
-        crate::batch::batch_scenarios!(crate::backend::PartitionedPostgres);
+        crate::batch::batch_scenarios!(
+            crate::backend::Partitioned<idemq::store::sql::postgres::PostgresStore>
+        );
+    }
+}
+
+/// The same on MariaDB's partitioned inbox.
+#[cfg(feature = "mysql")]
+mod mysql_partitioned {
+    crate::scenarios::suite!(crate::backend::Partitioned<idemq::store::sql::mysql::MySqlStore>);
+    mod batch {
+        crate::batch::batch_scenarios!(
+            crate::backend::Partitioned<idemq::store::sql::mysql::MySqlStore>
+        );
     }
 }
 

@@ -19,7 +19,7 @@ use std::future::Future;
 use async_trait::async_trait;
 use idemq::source::{Acknowledger, Delivery, Publisher, Source};
 use idemq::store::sql::postgres::PostgresStore;
-use idemq::store::sql::SqlOptions;
+use idemq::store::sql::{Bind, Column, Dialect, SqlDatabase, SqlOptions, SqlRow, SqlStore};
 use idemq::store::{ClaimRequest, DeadLetterRecord, Store, StoreAdmin};
 use idemq::DeadLetterReason;
 use idemq::{
@@ -233,11 +233,19 @@ impl Ledger {
     }
 }
 
-/// A migrated PostgreSQL store with `options` under a fresh table prefix
-/// (`{tag}…_`), and the prefix.
-pub async fn postgres_store(tag: &str, options: SqlOptions) -> (PostgresStore, String) {
+/// The URL of the test database of `dialect` (PostgreSQL or MariaDB).
+pub fn sql_url(dialect: Dialect) -> String {
+    match dialect {
+        Dialect::MySql => mysql_url(),
+        _ => postgres_url(),
+    }
+}
+
+/// A migrated PostgreSQL or MariaDB store with `options` under a fresh table
+/// prefix (`{tag}…_`), and the prefix.
+pub async fn sql_store<DB: SqlDatabase>(tag: &str, options: SqlOptions) -> (SqlStore<DB>, String) {
     let prefix = format!("{}_", unique(tag));
-    let store = PostgresStore::connect_with(&postgres_url(), options.table_prefix(&prefix))
+    let store = SqlStore::<DB>::connect_with(&sql_url(DB::DIALECT), options.table_prefix(&prefix))
         .await
         .expect("connect");
     store.migrate().await.expect("migrate");
@@ -245,18 +253,54 @@ pub async fn postgres_store(tag: &str, options: SqlOptions) -> (PostgresStore, S
 }
 
 /// Drops what a test made under `prefix`: [`TEST_TABLES`], the journal, and
-/// a partitioned layout's layout row, claim and journal functions.
-pub async fn drop_tables(pool: &sqlx::PgPool, prefix: &str) {
-    for table in TEST_TABLES.iter().chain(&["effects", "inbox_layout"]) {
-        let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {prefix}{table}"))
-            .execute(pool)
-            .await;
+/// a partitioned layout's layout row, guard rows, claim and journal
+/// functions.
+pub async fn drop_tables<DB: SqlDatabase>(pool: &sqlx::Pool<DB>, prefix: &str) {
+    let Ok(mut conn) = pool.acquire().await else {
+        return;
+    };
+    for table in TEST_TABLES
+        .iter()
+        .chain(&["effects", "inbox_layout", "inbox_guard"])
+    {
+        let _ = DB::execute(
+            &mut conn,
+            &format!("DROP TABLE IF EXISTS {prefix}{table}"),
+            &[],
+        )
+        .await;
     }
     for function in ["inbox_claim", "effects_put"] {
-        let _ = sqlx::query(&format!("DROP FUNCTION IF EXISTS {prefix}{function}"))
-            .execute(pool)
-            .await;
+        let sql = format!("DROP FUNCTION IF EXISTS {prefix}{function}");
+        let _ = DB::execute_script(&mut conn, &sql).await;
     }
+}
+
+/// Runs `sql` (written with `?` placeholders) on `store`'s pool.
+pub async fn sql_exec<DB: SqlDatabase>(store: &SqlStore<DB>, sql: &str, binds: &[Bind<'_>]) {
+    let sql = DB::DIALECT.placeholders(sql.to_owned());
+    let mut conn = store.pool().acquire().await.expect("a connection");
+    DB::execute(&mut conn, &sql, binds).await.expect(&sql);
+}
+
+/// The rows of `sql` (written with `?` placeholders) as `columns`.
+pub async fn sql_rows<DB: SqlDatabase>(
+    store: &SqlStore<DB>,
+    sql: &str,
+    binds: &[Bind<'_>],
+    columns: &[Column],
+) -> Vec<SqlRow> {
+    let sql = DB::DIALECT.placeholders(sql.to_owned());
+    let mut conn = store.pool().acquire().await.expect("a connection");
+    DB::fetch(&mut conn, &sql, binds, columns)
+        .await
+        .expect(&sql)
+}
+
+/// The one integer `sql` answers.
+pub async fn sql_int<DB: SqlDatabase>(store: &SqlStore<DB>, sql: &str, binds: &[Bind<'_>]) -> i64 {
+    let rows = sql_rows(store, sql, binds, &[Column::Int]).await;
+    rows.first().expect(sql).int(0).expect(sql)
 }
 
 /// A claim of `key` by the consumer `payments` (SQL stores ignore the lease).

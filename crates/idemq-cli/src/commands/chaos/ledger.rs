@@ -151,14 +151,8 @@ impl CellStore {
         prefix: &str,
         partitioned_inbox: Option<std::time::Duration>,
     ) -> Result<Self> {
-        #[cfg(feature = "postgres")]
-        let postgres = url.kind == Kind::Postgres;
-        #[cfg(not(feature = "postgres"))]
-        let postgres = false;
-        if partitioned_inbox.is_some() && !postgres {
-            anyhow::bail!(crate::exit::usage(format!(
-                "--partitioned-inbox needs a postgres:// store, not {url}"
-            )));
+        if partitioned_inbox.is_some() {
+            url.check_partitionable()?;
         }
         match url.kind {
             #[cfg(feature = "sqlite")]
@@ -166,7 +160,7 @@ impl CellStore {
             #[cfg(feature = "postgres")]
             Kind::Postgres => sql_cell::<sqlx::Postgres>(url, prefix, partitioned_inbox).await,
             #[cfg(feature = "mysql")]
-            Kind::MySql => sql_cell::<sqlx::MySql>(url, prefix, None).await,
+            Kind::MySql => sql_cell::<sqlx::MySql>(url, prefix, partitioned_inbox).await,
             #[cfg(feature = "redis")]
             Kind::Redis => {
                 use idemq::store::redis::{RedisOptions, RedisStore};

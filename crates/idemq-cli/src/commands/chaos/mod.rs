@@ -141,7 +141,7 @@ pub struct ChaosArgs {
     concurrent_records: bool,
 
     /// The cell's inbox is time-partitioned, one partition per DURATION
-    /// (PostgreSQL; `migrate --partitioned-inbox`): short partitions put
+    /// (PostgreSQL, MariaDB; `migrate --partitioned-inbox`): short partitions put
     /// the kills and duplicates across partition boundaries.
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
     partitioned_inbox: Option<Duration>,

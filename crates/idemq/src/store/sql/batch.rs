@@ -52,7 +52,7 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         claims: &[(&str, &str)],
     ) -> Result<(Tx<DB>, Vec<BatchClaim>), StoreError> {
         let layout = self.prepare_claims().await?;
-        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        let mut tx = self.begin_claims(layout).await?;
         if claims.is_empty() {
             return Ok((tx, Vec::new()));
         }
@@ -72,17 +72,28 @@ impl<DB: SqlDatabase> SqlStore<DB> {
                 ]
             })
             .collect();
-        let sql = match layout {
-            Layout::Plain => self.batch.claim(sorted.len()),
-            Layout::Partitioned => self.parts.sql.claim_batch(sorted.len()),
+        let inserted: HashSet<&str> = match layout {
+            Layout::Plain => {
+                let sql = self.batch.claim(sorted.len());
+                let rows = DB::fetch(&mut tx, &sql, &binds, &[Column::Text])
+                    .await
+                    .map_err(store_error)?;
+                let keys = rows
+                    .iter()
+                    .map(|row| row.text(0))
+                    .collect::<Result<HashSet<String>, _>>()
+                    .map_err(store_error)?;
+                claims
+                    .iter()
+                    .map(|(key, _)| *key)
+                    .filter(|key| keys.contains(*key))
+                    .collect()
+            }
+            Layout::Partitioned => {
+                self.claim_partitioned(&mut tx, consumer, &sorted, &binds)
+                    .await?
+            }
         };
-        let inserted: HashSet<String> = DB::fetch(&mut tx, &sql, &binds, &[Column::Text])
-            .await
-            .map_err(|e| self.partitioned_error(layout, e))?
-            .iter()
-            .map(|row| row.text(0))
-            .collect::<Result<_, _>>()
-            .map_err(store_error)?;
         let existing: Vec<&str> = claims
             .iter()
             .map(|(key, _)| *key)
@@ -129,6 +140,46 @@ impl<DB: SqlDatabase> SqlStore<DB> {
             })
             .collect();
         Ok((tx, answers))
+    }
+
+    /// Claims the rows `sorted` (bound as `binds`, four per row) on a
+    /// partitioned inbox; returns the keys it inserted.
+    async fn claim_partitioned<'k>(
+        &self,
+        tx: &mut Tx<DB>,
+        consumer: &str,
+        sorted: &[&(&'k str, &str)],
+        binds: &[Bind<'_>],
+    ) -> Result<HashSet<&'k str>, StoreError> {
+        let layout = Layout::Partitioned;
+        if let Some(lock) = self.parts.sql.lock_batch(sorted.len()) {
+            let lock_binds: Vec<Bind<'_>> = sorted
+                .iter()
+                .flat_map(|(key, _)| [Bind::Text(consumer), Bind::Text(key)])
+                .collect();
+            DB::execute(tx, &lock, &lock_binds)
+                .await
+                .map_err(|e| self.partitioned_error(layout, e))?;
+        }
+        let sql = self.parts.sql.claim_batch(sorted.len());
+        let rows = DB::fetch(tx, &sql, binds, &[Column::Int])
+            .await
+            .map_err(|e| self.partitioned_error(layout, e))?;
+        let mut inserted = HashSet::with_capacity(rows.len());
+        for row in rows {
+            let index = row.int(0).map_err(store_error)?;
+            let row = usize::try_from(index)
+                .ok()
+                .and_then(|i| sorted.get(i))
+                .ok_or_else(|| {
+                    StoreError::corrupt(format!(
+                        "a batch claim answered row {index} of {}",
+                        sorted.len()
+                    ))
+                })?;
+            inserted.insert(row.0);
+        }
+        Ok(inserted)
     }
 
     /// Marks the point one member's work can be rolled back to.

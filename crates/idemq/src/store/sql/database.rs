@@ -176,6 +176,13 @@ pub trait SqlDatabase: sqlx::Database + sealed::Sealed {
         binds: &'a [Bind<'a>],
         columns: &'a [Column],
     ) -> BoxFuture<'a, Result<Vec<SqlRow>, sqlx::Error>>;
+
+    /// Runs `sql` unprepared, without parameters (schema statements: some,
+    /// such as MariaDB's `CREATE FUNCTION`, cannot be prepared).
+    fn execute_script<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &'a str,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
 }
 
 /// Binds `binds` to `sql`, in order.
@@ -302,6 +309,17 @@ macro_rules! concrete_io {
                 conn, sql, binds, columns,
             ))
         }
+
+        fn execute_script<'a>(
+            conn: &'a mut Self::Connection,
+            sql: &'a str,
+        ) -> futures_util::future::BoxFuture<'a, Result<(), sqlx::Error>> {
+            Box::pin(async move {
+                sqlx::Executor::execute(conn, sqlx::raw_sql(sql))
+                    .await
+                    .map(|_| ())
+            })
+        }
     };
 }
 pub(crate) use concrete_io;
@@ -336,7 +354,7 @@ pub(crate) fn connect_server<'a, DB: sqlx::Database>(
 /// journal's): a connection is pinged before use only after
 /// [`PING_IF_IDLE_FOR`] idle (see [`connect_server`]).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-fn pool_options<DB: sqlx::Database>() -> sqlx::pool::PoolOptions<DB> {
+pub(crate) fn pool_options<DB: sqlx::Database>() -> sqlx::pool::PoolOptions<DB> {
     sqlx::pool::PoolOptions::<DB>::new()
         .test_before_acquire(false)
         .before_acquire(|conn, meta| {
@@ -373,11 +391,14 @@ const JOURNAL_CONNECTIONS: u32 = 2;
 
 /// The journal of a server database: a small pool of its own on the same
 /// server (the v3 migration created the table).
+/// `options` are [`pool_options`], with what the database adds (MariaDB's
+/// journal connections set their isolation level when they connect).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-pub(crate) fn server_journal<DB: sqlx::Database>(
+pub(crate) fn server_journal_with<DB: sqlx::Database>(
     main: &sqlx::Pool<DB>,
+    options: sqlx::pool::PoolOptions<DB>,
 ) -> BoxFuture<'_, Result<sqlx::Pool<DB>, sqlx::Error>> {
-    let pool = pool_options::<DB>()
+    let pool = options
         .max_connections(JOURNAL_CONNECTIONS)
         .acquire_timeout(main.options().get_acquire_timeout())
         .connect_lazy_with((*main.connect_options()).clone());

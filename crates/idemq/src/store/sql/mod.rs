@@ -151,6 +151,20 @@ pub fn is_missing_table(err: &sqlx::Error) -> bool {
     db.code().is_some_and(|code| code == "42P01")
 }
 
+/// Whether a database error says no partition holds the row written
+/// (PostgreSQL `23514` on a partitioned table, MariaDB 1526): a partitioned
+/// inbox's partitions ahead were not made in time.
+pub(crate) fn is_no_partition(err: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = err else {
+        return false;
+    };
+    #[cfg(feature = "mysql")]
+    if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        return my.number() == 1526;
+    }
+    db.code().is_some_and(|code| code == "23514")
+}
+
 /// Maps a database error to a [`StoreError`] of its kind (transient,
 /// missing tables, other), with the error as its source.
 /// A connect error: as [`store_error`], except that an I/O error of kind
@@ -207,7 +221,7 @@ pub(crate) async fn migrate<DB: SqlDatabase>(
                 continue;
             }
             for step in steps {
-                DB::execute(&mut tx, step, &[]).await?;
+                DB::execute_script(&mut tx, step).await?;
             }
             let binds = [Bind::Int(*version), Bind::Int(crate::store::now_ms())];
             DB::execute(&mut tx, &queries.record_version, &binds).await?;

@@ -6,9 +6,13 @@ use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 
 use super::database::{
-    begin_deferred, concrete_io, connect_server, no_listen, server_journal, SqlDatabase,
+    begin_deferred, concrete_io, connect_server, no_listen, pool_options, server_journal_with,
+    SqlDatabase,
 };
 use super::{Dialect, Queries, SqlOptions, SqlStore};
+
+/// Makes a session's transactions READ COMMITTED.
+const READ_COMMITTED_SESSION: &str = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
 /// The transactional inbox on MySQL 8 or MariaDB 10.5+ (InnoDB). The
 /// handler gets the open `sqlx::Transaction<'static, MySql>` in which the
@@ -29,11 +33,23 @@ impl SqlDatabase for sqlx::MySql {
         connect_server(url, options)
     }
 
+    /// The journal's connections run READ COMMITTED: a partitioned
+    /// journal's write reads across partitions with a locking read, which
+    /// under REPEATABLE READ would also lock the gaps (and make concurrent
+    /// writes of other steps deadlock); a plain journal's statements do the
+    /// same under either level.
     fn open_journal<'a>(
         main: &'a sqlx::Pool<Self>,
         _queries: &'a Queries,
     ) -> BoxFuture<'a, Result<sqlx::Pool<Self>, sqlx::Error>> {
-        server_journal(main)
+        let options = pool_options::<Self>().after_connect(|conn, _meta| {
+            Box::pin(async move {
+                sqlx::Executor::execute(conn, READ_COMMITTED_SESSION)
+                    .await
+                    .map(|_| ())
+            })
+        });
+        server_journal_with(main, options)
     }
 
     fn begin_write(

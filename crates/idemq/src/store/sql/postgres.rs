@@ -5,7 +5,9 @@ use std::sync::Arc;
 use futures_util::future::BoxFuture;
 use tokio::sync::Notify;
 
-use super::database::{begin_deferred, concrete_io, connect_server, server_journal, SqlDatabase};
+use super::database::{
+    begin_deferred, concrete_io, connect_server, pool_options, server_journal_with, SqlDatabase,
+};
 use super::{Dialect, Queries, SqlOptions, SqlStore};
 
 /// The transactional inbox on PostgreSQL. The handler gets the open
@@ -30,7 +32,7 @@ impl SqlDatabase for sqlx::Postgres {
         main: &'a sqlx::Pool<Self>,
         _queries: &'a Queries,
     ) -> BoxFuture<'a, Result<sqlx::Pool<Self>, sqlx::Error>> {
-        server_journal(main)
+        server_journal_with(main, pool_options())
     }
 
     fn begin_write(

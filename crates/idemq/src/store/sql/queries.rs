@@ -503,7 +503,8 @@ impl Queries {
                 tables.effects
             ),
             effect_steps: format!(
-                "SELECT step, result_json FROM {} WHERE consumer = ? AND msg_key = ? ORDER BY step",
+                "SELECT {}, result_json FROM {} WHERE consumer = ? AND msg_key = ? ORDER BY step",
+                text("step"),
                 tables.effects
             ),
             effect_put: match dialect {
@@ -575,7 +576,7 @@ fn number_placeholders(sql: &str) -> String {
 }
 
 /// The versioned schema steps, in order. `partitioned` is the
-/// `(interval_ms, ahead)` of a time-partitioned inbox (PostgreSQL): version
+/// `(interval_ms, ahead)` of a time-partitioned inbox (PostgreSQL, MariaDB): version
 /// 1 then creates the inbox, and version 3 the effect journal, in that
 /// layout (see [`partitions`](super::partitions)).
 pub(super) fn schema_versions(
@@ -593,8 +594,9 @@ pub(super) fn schema_versions(
             3,
             match (dialect, partitioned) {
                 (Dialect::Sqlite, _) => Vec::new(),
-                (Dialect::Postgres, Some(_)) => {
-                    super::partitions::PartitionSql::new(tables).journal_schema()
+                (_, Some((interval_ms, _))) => {
+                    super::partitions::PartitionSql::new(dialect, tables)
+                        .journal_schema(interval_ms)
                 }
                 _ => schema_v3(dialect, tables),
             },
@@ -738,7 +740,7 @@ fn schema_v1(dialect: Dialect, tables: &Tables, partitioned: Option<(i64, i64)>)
     // partitions.
     let (mut steps, inbox_index) = match partitioned {
         Some((interval_ms, ahead)) => (
-            super::partitions::PartitionSql::new(tables).schema(interval_ms, ahead),
+            super::partitions::PartitionSql::new(dialect, tables).schema(interval_ms, ahead),
             None,
         ),
         None => (

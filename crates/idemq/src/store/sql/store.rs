@@ -8,8 +8,8 @@ use std::sync::Arc;
 use super::database::{Bind, Column, SqlDatabase, SqlRow};
 use super::partitions::{detect_table, InboxPartitions, Layout, PartitionSql, Upkeep};
 use super::{
-    connect_error, migrate, queries, store_error, BatchQueries, Dialect, Queries, SqlOptions,
-    Tables,
+    connect_error, is_no_partition, migrate, queries, store_error, BatchQueries, Dialect, Queries,
+    SqlOptions, Tables,
 };
 use crate::error::{StoreError, StoreErrorKind};
 use crate::store::{
@@ -130,7 +130,7 @@ impl<DB: SqlDatabase> SqlStore<DB> {
     }
 
     fn with_tables(pool: sqlx::Pool<DB>, tables: Tables, wanted: Option<InboxPartitions>) -> Self {
-        let sql = PartitionSql::new(&tables);
+        let sql = PartitionSql::new(DB::DIALECT, &tables);
         let parts = Partitioning {
             wanted,
             layout: std::sync::OnceLock::new(),
@@ -152,7 +152,7 @@ impl<DB: SqlDatabase> SqlStore<DB> {
     }
 
     /// The inbox's layout, read from the database once the inbox exists
-    /// (PostgreSQL; the other databases have one layout).
+    /// (PostgreSQL, MariaDB; SQLite has one layout).
     pub(super) async fn layout(&self) -> Result<Layout, StoreError> {
         self.table_layout(&self.parts.layout, self.parts.sql.inbox())
             .await
@@ -170,7 +170,7 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         seen: &std::sync::OnceLock<Layout>,
         table: &str,
     ) -> Result<Layout, StoreError> {
-        if DB::DIALECT != Dialect::Postgres {
+        if DB::DIALECT == Dialect::Sqlite {
             return Ok(Layout::Plain);
         }
         if let Some(layout) = seen.get() {
@@ -220,22 +220,29 @@ impl<DB: SqlDatabase> SqlStore<DB> {
         }
     }
 
-    /// The claim statement of `layout`.
-    pub(super) fn claim_sql(&self, layout: Layout) -> &str {
-        match layout {
-            Layout::Plain => &self.queries.claim,
-            Layout::Partitioned => &self.parts.claim,
-        }
+    /// Begins the transaction of claims on an inbox of `layout`: MariaDB's
+    /// partitioned claims run under READ COMMITTED (see
+    /// `partitions::mysql`), the rest at the pool's level.
+    pub(super) async fn begin_claims(
+        &self,
+        layout: Layout,
+    ) -> Result<sqlx::Transaction<'static, DB>, StoreError> {
+        let begun = match (DB::DIALECT, layout) {
+            (Dialect::MySql, Layout::Partitioned) => {
+                self.pool
+                    .begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION")
+                    .await
+            }
+            _ => self.pool.begin().await,
+        };
+        begun.map_err(store_error)
     }
 
     /// A claim's or journal write's database error as a store error: on a
-    /// partitioned table, a row no partition holds (SQLSTATE 23514) is
-    /// transient, and makes the next claim or write create the partitions
-    /// first.
+    /// partitioned table, a row no partition holds is transient, and makes
+    /// the next claim or write create the partitions first.
     pub(super) fn partitioned_error(&self, layout: Layout, err: sqlx::Error) -> StoreError {
-        let no_partition = layout == Layout::Partitioned
-            && matches!(&err, sqlx::Error::Database(db) if db.code().as_deref() == Some("23514"));
-        if no_partition {
+        if layout == Layout::Partitioned && is_no_partition(&err) {
             self.parts.upkeep.now();
             return StoreError::from_source(StoreErrorKind::Transient, err);
         }
@@ -323,9 +330,14 @@ impl<DB: SqlDatabase> SqlStore<DB> {
             Bind::Int(now_ms()),
         ];
         let layout = self.layout().await?;
-        let inserted = DB::execute(tx, self.claim_sql(layout), &binds)
-            .await
-            .map_err(|e| self.partitioned_error(layout, e))?;
+        let inserted = match layout {
+            Layout::Plain => DB::execute(tx, &self.queries.claim, &binds).await,
+            // A function's answer is a row, not an affected-row count.
+            Layout::Partitioned => DB::fetch(tx, &self.parts.claim, &binds, &[])
+                .await
+                .map(|rows| rows.len() as u64),
+        }
+        .map_err(|e| self.partitioned_error(layout, e))?;
         Ok(inserted == 1)
     }
 
@@ -420,9 +432,9 @@ impl<DB: SqlDatabase> Store for SqlStore<DB> {
     async fn claim(&self, req: &ClaimRequest<'_>) -> Result<Claim<Self::Tx>, StoreError> {
         // A claim that finds a key whose row it cannot yet see (possible
         // under REPEATABLE READ) starts over in a new transaction.
-        self.prepare_claims().await?;
+        let layout = self.prepare_claims().await?;
         for _ in 0..3 {
-            let mut tx = self.pool.begin().await.map_err(store_error)?;
+            let mut tx = self.begin_claims(layout).await?;
             if self.insert_claim(&mut tx, req).await? {
                 return Ok(Claim::New(tx));
             }
@@ -542,8 +554,12 @@ impl<DB: SqlDatabase> StoreAdmin for SqlStore<DB> {
 
     async fn migrate(&self) -> Result<(), StoreError> {
         let wanted = match self.parts.wanted {
-            Some(parts) if DB::DIALECT == Dialect::Postgres => Some(parts.checked()?),
-            Some(_) => return Err(StoreError::config("a partitioned inbox is PostgreSQL only")),
+            Some(parts) if DB::DIALECT != Dialect::Sqlite => Some(parts.checked()?),
+            Some(_) => {
+                return Err(StoreError::config(
+                    "a partitioned inbox is PostgreSQL or MariaDB only",
+                ))
+            }
             None => None,
         };
         // A plain inbox is refused before anything is migrated, so that no
