@@ -226,3 +226,33 @@ fn prune_refuses_a_cutoff_under_the_horizon_unless_forced() {
         text(&floored)
     );
 }
+
+/// RocketMQ's horizon is the brokers' `fileReservedTime` (96 h in
+/// `scripts/rocketmq.sh`): a prune under it is refused, naming the broker's
+/// setting, and one above it goes through.
+#[cfg(feature = "rocketmq")]
+#[test]
+fn prune_refuses_a_cutoff_under_the_rocketmq_brokers_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path());
+    let topic = unique("prune_floor_rmq");
+    produce_one(dir.path(), &format!("rocketmq://127.0.0.1:9876/{topic}"));
+    let source = format!("rocketmq://127.0.0.1:9876/{topic}?group={topic}_g");
+    let prune = |older_than: &str| {
+        idemq()
+            .args(["--store", &store, "prune", "--source", &source])
+            .args(["--older-than", older_than])
+            .output()
+            .unwrap()
+    };
+    let refused = prune("3d");
+    let said = text(&refused);
+    assert_eq!(refused.status.code(), Some(2), "{said}");
+    assert!(said.contains("refusing to prune"), "{said}");
+    assert!(
+        said.contains("(127.0.0.1:10911) fileReservedTime=96 (hours)"),
+        "{said}"
+    );
+    let safe = prune("5d");
+    assert_eq!(safe.status.code(), Some(0), "{}", text(&safe));
+}

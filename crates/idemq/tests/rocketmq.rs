@@ -355,3 +355,72 @@ async fn few_reconsumes_are_refused_and_the_broker_takes_the_message_away() {
     );
     ledger.cleanup().await;
 }
+
+/// The horizon of `url`'s source as `idemq doctor` and the retention floor
+/// read it.
+async fn horizon(url: &str) -> idemq::source::health::Horizon {
+    let broker = idemq::source::registry::lookup(url)
+        .expect("a known scheme")
+        .expect("a broker");
+    (broker.inspect)(url).await.expect("inspect").horizon
+}
+
+/// The broker's commit-log retention (`fileReservedTime`, 96 h in
+/// `scripts/rocketmq.sh`) is the source's redelivery horizon, read from the
+/// topic's master broker; on the broker with authentication the requests
+/// are signed with the URL's credentials, and without credentials the
+/// horizon is unknown, saying why, without the secret.
+#[tokio::test]
+async fn the_brokers_commit_log_retention_is_the_horizon() {
+    use idemq::source::health::Horizon;
+    let topic = support::unique("horizon").replace('-', "_");
+    publish(&topic, &[payment("m-1", "p-1", 1, serde_json::json!({}))]).await;
+    let url = format!("rocketmq://{NAME_SERVER}/{topic}?group={topic}_g");
+    match horizon(&url).await {
+        Horizon::Bounded { limit, setting } => {
+            assert_eq!(limit, Duration::from_secs(96 * 3_600), "{setting}");
+            assert!(
+                setting.contains("(127.0.0.1:10911) fileReservedTime=96"),
+                "{setting}"
+            );
+        }
+        other => panic!("the retention was not read: {other:?}"),
+    }
+    // A topic no broker holds has no route: unknown, and why.
+    let missing = format!("rocketmq://{NAME_SERVER}/{topic}_none?group=g");
+    let Horizon::Unknown { why } = horizon(&missing).await else {
+        panic!("a horizon for a topic without a route");
+    };
+    assert!(why.contains("route"), "{why}");
+    // With authentication (ACL 2.0): signed with the URL's credentials.
+    let acl = |auth: &str| format!("rocketmq://{auth}127.0.0.1:9877/{topic}_acl?group={topic}_g");
+    let signed = acl("idemq:idemq-secret@");
+    let broker = idemq::source::registry::lookup(&signed).unwrap().unwrap();
+    let publisher = (broker.open_publisher)(&signed)
+        .await
+        .expect("a publisher with credentials");
+    support::publish_all(
+        &*publisher,
+        &[payment("m-1", "p-1", 1, serde_json::json!({}))],
+    )
+    .await;
+    match horizon(&signed).await {
+        Horizon::Bounded { limit, setting } => {
+            assert_eq!(limit, Duration::from_secs(96 * 3_600), "{setting}");
+            assert!(setting.contains("broker acl-broker"), "{setting}");
+        }
+        other => panic!("the signed requests were refused: {other:?}"),
+    }
+    // Unsigned, or signed with a wrong secret: the broker refuses, and the
+    // horizon says so without the secret.
+    for auth in ["", "idemq:wrong-s3cret@"] {
+        let Horizon::Unknown { why } = horizon(&acl(auth)).await else {
+            panic!("read without valid credentials ({auth})");
+        };
+        assert!(why.contains("the broker's configuration: code"), "{why}");
+        assert!(
+            !why.contains("s3cret") && !why.contains("idemq-secret"),
+            "{why}"
+        );
+    }
+}

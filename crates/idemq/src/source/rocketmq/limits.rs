@@ -14,8 +14,8 @@
 //!
 //! The broker's own retention (`fileReservedTime`, 72 h by default: commit
 //! log files older than that are deleted at `deleteWhen`, or sooner when
-//! the disk passes `diskMaxUsedSpaceRatio`) is not read; it is stated in
-//! `docs/operations.md` with the recommended value.
+//! the disk passes `diskMaxUsedSpaceRatio`) is the source's redelivery
+//! horizon, read from the brokers (the `admin` module), not a risk here.
 //!
 //! [`RetryPolicy::default`]: crate::RetryPolicy::default
 

@@ -90,8 +90,9 @@
 //! broker would move a message to `%DLQ%<group>` before idemq's retries
 //! are done) and `start_from=latest` (a group without an offset skips what
 //! was published before), naming each; `broker_loss=warn` logs them and
-//! runs. The broker's own retention (`fileReservedTime`) is not read; see
-//! [`crate::source::loss`] and `docs/operations.md`.
+//! runs. The broker's own retention (`fileReservedTime`) is read from the
+//! topic's master brokers for `idemq doctor` and the retention floor (the
+//! `admin` module); see [`crate::source::loss`] and `docs/operations.md`.
 //!
 //! The RocketMQ client runs on a small Tokio runtime of its own (the crate
 //! insists on owning one), on a thread of its own; each source and publisher
@@ -123,6 +124,7 @@
 //! ```
 
 mod acker;
+mod admin;
 mod client;
 mod config;
 mod lag;

@@ -2,7 +2,7 @@
 
 use super::{RocketMqConfig, RocketMqPublisher, RocketMqSource};
 use crate::error::SourceError;
-use crate::source::health::{BrokerHealth, Horizon};
+use crate::source::health::BrokerHealth;
 use crate::source::kit::{BrokerConfig, ConnectWith};
 use crate::source::registry::Broker;
 use crate::source::url::with_default_param;
@@ -25,16 +25,11 @@ impl BrokerConfig for RocketMqConfig {
         with_default_param(url, "group", "idemq-produce")
     }
 
-    /// The source's own risky settings; the broker's retention
-    /// (`fileReservedTime`) is not read: rocketmq-client-rust 1.0 keeps its
-    /// admin API (`GET_BROKER_CONFIG`) private.
+    /// The source's own risky settings, and the broker's retention
+    /// (`fileReservedTime`) read from the topic's master brokers.
     async fn inspect(self) -> Result<BrokerHealth, SourceError> {
-        Ok(BrokerHealth::new(Horizon::Unknown {
-            why: "the broker's fileReservedTime is not read: rocketmq-client-rust 1.0 exposes \
-                  no broker configuration (72h by default)"
-                .into(),
-        })
-        .with_risks(super::limits::risks(&self)))
+        let horizon = super::admin::retention(&self).await;
+        Ok(BrokerHealth::new(horizon).with_risks(super::limits::risks(&self)))
     }
 }
 
