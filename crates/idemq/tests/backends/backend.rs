@@ -124,10 +124,12 @@ pub trait SqlTestStore: Store + StoreAdmin + Clone + Sized {
     async fn open(url: &str, prefix: &str) -> Self;
     /// A second store on the same pool and tables (another process's view:
     /// nothing it remembers is shared).
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     fn another(&self) -> Self {
         self.with_options(idemq::store::sql::SqlOptions::default())
     }
     /// A store on the same pool with `options` and this store's tables.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     fn with_options(&self, options: idemq::store::sql::SqlOptions) -> Self;
     async fn exec(&self, sql: &str);
     fn insert_sql(table: &str) -> String;
