@@ -383,6 +383,13 @@ struct ConsumeArgs {
     #[arg(long, value_name = "ADDR")]
     http_addr: Option<std::net::SocketAddr>,
 
+    /// After the run ends, keep serving `--http-addr` until one `/metrics`
+    /// scrape has read the final counts, at most this long (e.g. `30s`): a
+    /// run that drains and exits (`--idle-exit`, a file) still reaches
+    /// Prometheus with its last counts.
+    #[arg(long, value_name = "DURATION", requires = "http_addr", value_parser = humantime::parse_duration)]
+    http_linger: Option<Duration>,
+
     /// The process's shared endpoint (`idemq run`), when it has one.
     #[arg(skip)]
     ops: Option<ops::Ops>,

@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::sync::lock;
@@ -43,13 +44,36 @@ pub struct Ops {
     scope: String,
 }
 
-#[derive(Default)]
 struct Shared {
     /// Named readiness checks, all run (concurrently) for each `/readyz`.
     ready: Mutex<Vec<(String, Probe)>>,
     /// Run before each `/metrics` render to set gauges read at scrape time
     /// (the outbox backlog); a failure is logged and the render goes on.
     on_scrape: Mutex<Vec<Probe>>,
+    /// `/metrics` renders begun so far; the next one gets this number.
+    renders_begun: AtomicU64,
+    /// One more than the highest-numbered render that has finished.
+    renders_done: tokio::sync::watch::Sender<u64>,
+    /// The server [`serve`] started: how to stop it, and its task.
+    server: Mutex<Option<Server>>,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Self {
+            ready: Mutex::default(),
+            on_scrape: Mutex::default(),
+            renders_begun: AtomicU64::new(0),
+            renders_done: tokio::sync::watch::Sender::new(0),
+            server: Mutex::default(),
+        }
+    }
+}
+
+/// A running endpoint: a graceful stop lets the responses under way go out.
+struct Server {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
 }
 
 impl std::fmt::Debug for Ops {
@@ -77,6 +101,29 @@ impl Ops {
     /// Adds a refresh to run before each `/metrics` render.
     pub fn on_scrape(&self, probe: Probe) {
         lock(&self.shared.on_scrape).push(probe);
+    }
+
+    /// `--http-linger`: keeps serving until a `/metrics` render begun after
+    /// this call has finished (the scraper read the final counts), at most
+    /// `grace`; then stops the server this handle's [`serve`] started,
+    /// letting that last response go out.
+    pub async fn linger(&self, grace: Duration) {
+        let after = self.shared.renders_begun.load(Ordering::SeqCst);
+        let mut done = self.shared.renders_done.subscribe();
+        let scraped = tokio::time::timeout(grace, done.wait_for(|&n| n > after)).await;
+        if scraped.is_err() {
+            tracing::info!(
+                ?grace,
+                "no /metrics scrape within the linger time: stopping"
+            );
+        }
+        let server = lock(&self.shared.server).take();
+        if let Some(Server { stop, task }) = server {
+            let _ = stop.send(());
+            if tokio::time::timeout(CHECK_TIMEOUT, task).await.is_err() {
+                tracing::warn!("the --http-addr server did not stop within {CHECK_TIMEOUT:?}");
+            }
+        }
     }
 }
 
@@ -111,12 +158,20 @@ pub async fn serve(addr: SocketAddr, ops: Ops) -> Result<SocketAddr> {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
-        .with_state(Served { ops, prometheus });
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
+        .with_state(Served {
+            ops: ops.clone(),
+            prometheus,
+        });
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let graceful = axum::serve(listener, app).with_graceful_shutdown(async move {
+            let _ = stopped.await;
+        });
+        if let Err(e) = graceful.await {
             tracing::error!(error = %e, "the --http-addr server stopped");
         }
     });
+    *lock(&ops.shared.server) = Some(Server { stop, task });
     tracing::info!(addr = %bound, "serving /metrics, /healthz and /readyz");
     Ok(bound)
 }
@@ -135,6 +190,8 @@ pub async fn for_run(addr: Option<SocketAddr>, shared: Option<&Ops>) -> Result<O
 }
 
 async fn metrics(State(served): State<Served>) -> impl IntoResponse {
+    let shared = &served.ops.shared;
+    let number = shared.renders_begun.fetch_add(1, Ordering::SeqCst);
     let refreshes: Vec<Probe> = lock(&served.ops.shared.on_scrape).clone();
     for refresh in refreshes {
         match tokio::time::timeout(CHECK_TIMEOUT, refresh()).await {
@@ -143,10 +200,11 @@ async fn metrics(State(served): State<Served>) -> impl IntoResponse {
             Err(_) => tracing::warn!("refreshing the scrape-time gauges timed out"),
         }
     }
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        served.prometheus.render(),
-    )
+    let body = served.prometheus.render();
+    shared
+        .renders_done
+        .send_modify(|done| *done = (*done).max(number + 1));
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body)
 }
 
 async fn ready(State(served): State<Served>) -> impl IntoResponse {

@@ -196,6 +196,97 @@ fn an_address_in_use_is_a_usage_error() {
     );
 }
 
+/// `--http-linger`: a run that ends keeps serving until one `/metrics`
+/// scrape has read its final counts (those of its summary line), then
+/// exits at once; unscraped, it exits when the linger time is up.
+#[test]
+fn a_lingering_run_serves_its_final_counts_to_one_scrape() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("idemq.db").display());
+    let input = dir.path().join("in.jsonl");
+    let mut lines = String::new();
+    for n in (0..25).chain(0..5) {
+        lines.push_str(&format!("{{\"id\":\"m-{n}\"}}\n"));
+    }
+    lines.push_str("not json\n");
+    std::fs::write(&input, lines).unwrap();
+    let run = |consumer: &str, linger: &str| {
+        let port = free_port();
+        let mut child = idemq()
+            .args(["--store", &store, "consume", "--consumer", consumer])
+            .args(["--key", "json:/id", "--no-checkpoint", "--print"])
+            .args(["--http-addr", &format!("127.0.0.1:{port}")])
+            .args(["--http-linger", linger])
+            .arg(&input)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn idemq");
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut summary = String::new();
+        while !summary.starts_with(&format!("consumer {consumer}:")) {
+            summary.clear();
+            assert!(
+                stdout.read_line(&mut summary).unwrap() > 0,
+                "no summary line"
+            );
+        }
+        // The rest of stdout (the dead-letter hint) goes on being read.
+        let rest = std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
+        (child, port, summary, Instant::now(), rest)
+    };
+    let wait = |child: &mut std::process::Child, limit: Duration| {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "still running after {limit:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+
+    let (mut child, port, summary, _, _) = run("linger-scraped", "60s");
+    assert_eq!(
+        summary.trim(),
+        "consumer linger-scraped: processed=25 duplicate=5 conflict=0 retry_later=0 dead_lettered=1"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(child.try_wait().unwrap().is_none(), "exited unscraped");
+    let (status, metrics) = get(port, "/metrics");
+    assert_eq!(status, 200);
+    for (outcome, count) in [
+        ("processed", 25.0),
+        ("duplicate", 5.0),
+        ("dead_lettered", 1.0),
+    ] {
+        let name =
+            format!("idemq_messages_total{{consumer=\"linger-scraped\",outcome=\"{outcome}\"}}");
+        assert_eq!(series(&metrics, &name), count, "{metrics}");
+    }
+    assert!(wait(&mut child, Duration::from_secs(20)).success());
+
+    let (mut child, _, _, ended, _) = run("linger-unscraped", "1s");
+    assert!(wait(&mut child, Duration::from_secs(20)).success());
+    assert!(
+        ended.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        ended.elapsed()
+    );
+
+    let out = idemq()
+        .args(["--store", &store, "consume", "--consumer", "c", "--print"])
+        .args(["--http-linger", "1s"])
+        .arg(&input)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "--http-linger needs --http-addr: {out:#?}"
+    );
+}
+
 /// `relay --http-addr`: each scrape reads the outbox backlog — three rows
 /// of a destination this relay does not serve wait, the oldest written 5 s
 /// ago — and `/readyz` checks the database.

@@ -77,7 +77,8 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
     }
     let consumer = builder.build().map_err(exit::usage)?;
     let store = consumer.store();
-    if let Some(ops) = ops::for_run(args.http_addr, args.ops.as_ref()).await? {
+    let ops = ops::for_run(args.http_addr, args.ops.as_ref()).await?;
+    if let Some(ops) = &ops {
         ops.ready("store", store_answers(store));
         if let Some(addresses) = args.input.probe_addresses() {
             ops.ready("source", ops::reachable(addresses));
@@ -137,6 +138,10 @@ pub async fn run<B: Backend>(store: B, args: ConsumeArgs) -> Result<ExitCode> {
     let summary = result.context("reading the input")?;
 
     print_summary(&args, &summary);
+    // Only an endpoint of this run's own (`--http-addr`) lingers.
+    if let (Some(ops), Some(grace), Some(_)) = (&ops, args.http_linger, args.http_addr) {
+        ops.linger(grace).await;
+    }
     Ok(if interrupt.is_set() {
         ExitCode::from(exit::INTERRUPTED)
     } else {

@@ -88,15 +88,6 @@ pub(super) fn summarized(stdout: &str, consumer: &str) -> Option<Counts> {
     )
 }
 
-/// Whether every count of `earlier` is at most the same count of `later`:
-/// a scrape taken before a worker's last outcomes is a prefix of its
-/// summary (counters only grow).
-pub(super) fn at_most(earlier: &Counts, later: &Counts) -> bool {
-    OUTCOMES
-        .iter()
-        .all(|o| earlier.get(o).copied().unwrap_or(0) <= later.get(o).copied().unwrap_or(0))
-}
-
 /// What `/readyz` of the workers said while the database restarted.
 #[derive(Debug, Default)]
 pub(super) struct Readiness {
