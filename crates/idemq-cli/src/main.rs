@@ -102,6 +102,8 @@ struct GlobalArgs {
 }
 
 /// The subcommands.
+// Parsed once per process: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Consume a JSON-lines file (or stdin) exactly once into the store.
