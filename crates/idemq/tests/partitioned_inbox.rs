@@ -675,6 +675,144 @@ mod postgres {
         cleanup(&store, &prefix).await;
     }
 
+    /// Sealing (PostgreSQL): while eight tasks claim new keys and copies,
+    /// and another claims late copies of keys applied over 2.5 s earlier
+    /// (in partitions sealed by then), a sealer seals every partition that
+    /// has ended: every key is applied once and every late copy is a
+    /// duplicate. Then: a sealed partition refuses a row of its own, and a
+    /// claim looks into a sealed partition only through its filter (with
+    /// the filter's rows gone, a late copy of a key there is applied again).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn sealed_partitions_keep_their_keys_while_claims_run() {
+        let (store, prefix) = partitioned::<sqlx::Postgres>().await;
+        let prefix = Arc::new(prefix);
+        let deadline = now_ms() + 6 * STEP_MS;
+        let claimers = claimers(&store, &prefix, deadline).await;
+        let sealer = {
+            let store = store.clone();
+            tokio::spawn(async move {
+                while now_ms() < deadline {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    // A cutoff of 0 drops nothing: this only seals.
+                    idemq::retention::prune_before(&store, 0, 10_000, Duration::ZERO)
+                        .await
+                        .expect("seal");
+                }
+            })
+        };
+        let late = {
+            let (store, prefix) = (store.clone(), Arc::clone(&prefix));
+            tokio::spawn(async move {
+                let (mut copies, mut applied) = (0, 0);
+                // A second past the claimers: on a busy machine they are slow.
+                while now_ms() < deadline + STEP_MS {
+                    let old = sql_rows(
+                        &store,
+                        &format!(
+                            "SELECT msg_key FROM {prefix}ledger WHERE claimed_at < ? \
+                             ORDER BY random() LIMIT 20"
+                        ),
+                        &[Bind::Int(now_ms() - 2_500)],
+                        &[Column::Text],
+                    )
+                    .await;
+                    for row in old {
+                        copies += 1;
+                        if apply(&store, &prefix, &row.text(0).unwrap()).await {
+                            applied += 1;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                (copies, applied)
+            })
+        };
+        let applied = claimers.await.unwrap();
+        sealer.await.unwrap();
+        let (copies, late_applied) = late.await.unwrap();
+        let ledger = ledger(&store, &prefix).await;
+        assert_eq!(ledger.len(), applied + late_applied);
+        assert!(ledger.values().all(|n| *n == 1), "a key applied twice");
+        assert_eq!(late_applied, 0, "a late copy was applied");
+        assert!(copies >= 50, "only {copies} late copies");
+        let sealed = sql_int(
+            &store,
+            &format!("SELECT COUNT(*) FROM {prefix}inbox_sealed"),
+            &[],
+        )
+        .await;
+        assert!(sealed >= 3, "{sealed} partitions sealed");
+
+        // The oldest sealed partition, one of its keys.
+        let rows = sql_rows(
+            &store,
+            &format!(
+                "SELECT i.msg_key, s.start_ms FROM {prefix}inbox i JOIN {prefix}inbox_sealed s \
+                 ON i.created_at >= s.start_ms AND i.created_at < s.end_ms \
+                 ORDER BY s.start_ms LIMIT 1"
+            ),
+            &[],
+            &[Column::Text, Column::Int],
+        )
+        .await;
+        let (key, start) = (rows[0].text(0).unwrap(), rows[0].int(1).unwrap());
+        let refused = sqlx::query(&format!(
+            "INSERT INTO {prefix}inbox (consumer, msg_key, fingerprint, created_at) \
+             VALUES ('payments', 'new-in-sealed', 'f', $1)"
+        ))
+        .bind(start)
+        .execute(store.pool())
+        .await
+        .unwrap_err();
+        let code = refused.as_database_error().and_then(|e| e.code()).unwrap();
+        assert_eq!(code, "23514", "{refused}");
+        assert!(!apply(&store, &prefix, &key).await, "{key} applied again");
+        sql_exec(
+            &store,
+            &format!("DELETE FROM {prefix}inbox_filter WHERE start_ms = ?"),
+            &[Bind::Int(start)],
+        )
+        .await;
+        assert!(
+            apply(&store, &prefix, &key).await,
+            "{key}: the claim probed the sealed partition itself"
+        );
+        cleanup(&store, &prefix).await;
+    }
+
+    /// A sealed partition of 20,000 keys (128 filter blocks): every one of
+    /// its keys is found again through the filter.
+    #[tokio::test]
+    async fn a_large_sealed_partition_finds_every_key() {
+        let (store, prefix) = partitioned::<sqlx::Postgres>().await;
+        sql_exec(
+            &store,
+            &format!(
+                "INSERT INTO {prefix}inbox (consumer, msg_key, fingerprint, created_at) \
+                 SELECT 'payments', 'bulk-' || g, 'f', ? FROM generate_series(1, 20000) AS g"
+            ),
+            &[Bind::Int(now_ms())],
+        )
+        .await;
+        into_next_partition(1_100).await;
+        idemq::retention::prune_before(&store, 0, 10_000, Duration::ZERO)
+            .await
+            .expect("seal");
+        let blocks = sql_int(
+            &store,
+            &format!("SELECT MAX(mask) + 1 FROM {prefix}inbox_sealed"),
+            &[],
+        )
+        .await;
+        assert_eq!(blocks, 128);
+        for n in (1..=20_000).step_by(10) {
+            let key = format!("bulk-{n}");
+            let claim = store.claim(&req(&key)).await.expect("claim");
+            assert!(!matches!(claim, Claim::New(_)), "{key} claimed as new");
+        }
+        cleanup(&store, &prefix).await;
+    }
+
     /// Two engine consumers compete for a workload with redeliveries, producer
     /// retries and poison, fed over about four seconds, while retention drops
     /// the partitions older than two seconds: every payment applied once, the

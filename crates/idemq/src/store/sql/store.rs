@@ -607,6 +607,7 @@ impl<DB: SqlDatabase> StoreAdmin for SqlStore<DB> {
                 Self::execute_on(&self.pool, &self.queries.prune_inbox, &binds).await?
             }
             Layout::Partitioned => {
+                self.parts.sql.seal(&self.pool, now_ms(), cutoff_ms).await?;
                 PartitionSql::drop_before(&self.pool, &self.tables.inbox, cutoff_ms).await?
             }
         };

@@ -296,6 +296,24 @@ impl PartitionSql {
         Ok((created, interval))
     }
 
+    /// Seals the inbox's partitions that have ended (PostgreSQL; see
+    /// `postgres::seal`): claims then probe a sealed partition only when its
+    /// key filter holds the key. Partitions ending at or before
+    /// `keep_after_ms` are about to be dropped and are not sealed. Returns
+    /// how many it sealed; MariaDB seals none (its claims probe every
+    /// partition).
+    pub(super) async fn seal<DB: SqlDatabase>(
+        &self,
+        pool: &sqlx::Pool<DB>,
+        now_ms: i64,
+        keep_after_ms: i64,
+    ) -> Result<usize, StoreError> {
+        match DB::DIALECT {
+            Dialect::Postgres => postgres::seal::<DB>(self, pool, now_ms, keep_after_ms).await,
+            _ => Ok(0),
+        }
+    }
+
     /// Drops every partition of `parent` (the inbox or the journal) whose
     /// whole range is before `cutoff_ms`; returns the rows they held
     /// (counted below a million rows; above, the database's estimate).

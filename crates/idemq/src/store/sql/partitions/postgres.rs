@@ -24,11 +24,15 @@ pub(super) const DETECT: &str = "SELECT (CASE WHEN to_regclass($1) IS NULL THEN 
      WHEN EXISTS (SELECT 1 FROM pg_partitioned_table WHERE partrelid = to_regclass($1)) \
      THEN 2 ELSE 1 END)::bigint";
 
-/// The partitioned inbox, its layout row and its claim function.
+/// The partitioned inbox, its layout row, the sealed partitions' key
+/// filters and the claim function.
 pub(super) fn schema(sql: &PartitionSql, interval_ms: i64, ahead: i64) -> Vec<String> {
-    let PartitionSql {
-        inbox, function, ..
-    } = sql;
+    let PartitionSql { inbox, .. } = sql;
+    let Sealing {
+        sealed,
+        filter,
+        refuse,
+    } = Sealing::of(inbox);
     let mut steps = vec![format!(
         "CREATE TABLE IF NOT EXISTS {inbox} (consumer VARCHAR(128) NOT NULL, \
          msg_key VARCHAR(512) NOT NULL, fingerprint VARCHAR(64) NOT NULL, \
@@ -36,18 +40,152 @@ pub(super) fn schema(sql: &PartitionSql, interval_ms: i64, ahead: i64) -> Vec<St
          PRIMARY KEY (consumer, msg_key, created_at)) PARTITION BY RANGE (created_at)"
     )];
     steps.extend(sql.layout_row(interval_ms, ahead));
-    steps.push(lock_look_insert(
-        function,
-        "p_consumer TEXT, p_key TEXT, p_fingerprint TEXT, p_created_at BIGINT",
-        "inbox claims",
-        "hashtext(p_consumer), hashtext(p_key)",
-        &format!("{inbox} WHERE consumer = p_consumer AND msg_key = p_key"),
-        &format!(
-            "{inbox} (consumer, msg_key, fingerprint, created_at) \
-             VALUES (p_consumer, p_key, p_fingerprint, p_created_at)"
+    steps.extend([
+        format!(
+            "CREATE TABLE IF NOT EXISTS {sealed} (start_ms BIGINT PRIMARY KEY, \
+             end_ms BIGINT NOT NULL, mask BIGINT NOT NULL)"
         ),
-    ));
+        format!(
+            "CREATE TABLE IF NOT EXISTS {filter} (start_ms BIGINT NOT NULL, \
+             block BIGINT NOT NULL, bits BIT VARYING NOT NULL, PRIMARY KEY (start_ms, block))"
+        ),
+        // 23514, a check violation: what a row no partition takes raises,
+        // which the store reports as transient.
+        format!(
+            "CREATE OR REPLACE FUNCTION {refuse}() RETURNS trigger LANGUAGE plpgsql AS $idemq$ \
+             BEGIN \
+               RAISE EXCEPTION 'partition % of the idemq inbox is sealed: it takes no new rows', \
+                 TG_TABLE_NAME USING ERRCODE = 'check_violation'; \
+             END $idemq$"
+        ),
+        claim_function(sql),
+    ]);
     steps
+}
+
+/// The claim function: the lock on the key's hash pair; then the look-up,
+/// which probes the primary key of every partition not sealed, and of a
+/// sealed partition only when its filter holds the key's bits; then the
+/// insert, into the partition of `p_created_at` raised to the end of the
+/// sealed range (a client whose clock lags that far writes to the first
+/// partition not sealed).
+fn claim_function(sql: &PartitionSql) -> String {
+    let PartitionSql {
+        inbox, function, ..
+    } = sql;
+    let Sealing { sealed, filter, .. } = Sealing::of(inbox);
+    let key = "consumer = p_consumer AND msg_key = p_key";
+    let bits = filter_bits("v_bits", "f.bits");
+    format!(
+        "CREATE OR REPLACE FUNCTION {function}(p_consumer TEXT, p_key TEXT, p_fingerprint TEXT, \
+         p_created_at BIGINT) RETURNS BOOLEAN LANGUAGE plpgsql VOLATILE AS $idemq$ \
+         DECLARE v_from BIGINT; v_to BIGINT; v_block BIGINT; v_bits BIGINT; v_part RECORD; \
+         BEGIN \
+           IF current_setting('transaction_isolation') <> 'read committed' THEN \
+             RAISE EXCEPTION 'partitioned idemq inbox claims run under READ COMMITTED only, not %', \
+               current_setting('transaction_isolation') USING ERRCODE = 'feature_not_supported'; \
+           END IF; \
+           PERFORM pg_advisory_xact_lock(hashtext(p_consumer), hashtext(p_key)); \
+           SELECT min(start_ms), max(end_ms) INTO v_from, v_to FROM {sealed}; \
+           IF v_from IS NULL THEN \
+             IF EXISTS (SELECT 1 FROM {inbox} WHERE {key}) THEN RETURN FALSE; END IF; \
+           ELSE \
+             IF EXISTS (SELECT 1 FROM {inbox} WHERE {key} AND created_at >= v_to) \
+               OR EXISTS (SELECT 1 FROM {inbox} WHERE {key} AND created_at < v_from) THEN \
+               RETURN FALSE; \
+             END IF; \
+             v_block := {block_hash}; \
+             v_bits := {bits_hash}; \
+             FOR v_part IN SELECT s.start_ms, s.end_ms FROM {sealed} s JOIN {filter} f \
+               ON f.start_ms = s.start_ms AND f.block = (v_block & s.mask) WHERE {bits} LOOP \
+               IF EXISTS (SELECT 1 FROM {inbox} WHERE {key} AND created_at >= v_part.start_ms \
+                 AND created_at < v_part.end_ms) THEN \
+                 RETURN FALSE; \
+               END IF; \
+             END LOOP; \
+             p_created_at := GREATEST(p_created_at, v_to); \
+           END IF; \
+           INSERT INTO {inbox} (consumer, msg_key, fingerprint, created_at) \
+             VALUES (p_consumer, p_key, p_fingerprint, p_created_at); \
+           RETURN TRUE; \
+         END $idemq$",
+        block_hash = key_hash("p_consumer", "p_key", 1),
+        bits_hash = key_hash("p_consumer", "p_key", 2),
+    )
+}
+
+/// The names of a partitioned inbox's sealing: the sealed partitions'
+/// ranges and block masks, their filters, and the trigger function that
+/// refuses rows in a sealed partition.
+struct Sealing {
+    sealed: String,
+    filter: String,
+    refuse: String,
+}
+
+impl Sealing {
+    fn of(inbox: &str) -> Self {
+        Self {
+            sealed: format!("{inbox}_sealed"),
+            filter: format!("{inbox}_filter"),
+            refuse: format!("{inbox}_refuse"),
+        }
+    }
+}
+
+/// Bits of a filter block: 2048, each key sets [`FILTER_PROBES`] of them.
+const BLOCK_BITS: i64 = 2048;
+
+/// How many bits of its block one key sets (11 bits of the second hash each).
+const FILTER_PROBES: i64 = 5;
+
+/// Filter bits per key, which sizes a sealed partition's blocks: with five
+/// bits set per key, about 1 % of absent keys find all of theirs set.
+const BITS_PER_KEY: i64 = 10;
+
+/// One of the two 64-bit hashes of consumer and key (`seed` 1 chooses the
+/// block, 2 the bits within it).
+fn key_hash(consumer: &str, key: &str, seed: i64) -> String {
+    format!("hashtextextended({consumer} || chr(1) || {key}, {seed})")
+}
+
+/// The condition that `bits` (a block) has every bit `hash` chooses set.
+fn filter_bits(hash: &str, bits: &str) -> String {
+    (0..FILTER_PROBES)
+        .map(|i| {
+            format!(
+                "get_bit({bits}, (({hash} >> {}) & {})::int) = 1",
+                i * 11,
+                BLOCK_BITS - 1
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" AND ")
+}
+
+/// The block value of one key: its chosen bits set in a `bit(2048)`.
+fn filter_mask(hash: &str) -> String {
+    (0..FILTER_PROBES)
+        .map(|i| {
+            format!(
+                "(B'1'::bit({BLOCK_BITS}) >> ((({hash} >> {}) & {})::int))",
+                i * 11,
+                BLOCK_BITS - 1
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+/// The block mask for `rows` keys: a power of two of blocks, at least
+/// [`BITS_PER_KEY`] bits per key, less one.
+fn block_mask(rows: i64) -> i64 {
+    let bits = rows.max(1).saturating_mul(BITS_PER_KEY);
+    let blocks = (bits + BLOCK_BITS - 1) / BLOCK_BITS;
+    let blocks = u64::try_from(blocks.max(1))
+        .unwrap_or(1)
+        .next_power_of_two();
+    i64::try_from(blocks).unwrap_or(i64::MAX) - 1
 }
 
 /// The partitioned journal and its write function.
@@ -205,6 +343,125 @@ pub(super) async fn ensure<DB: SqlDatabase>(
     Ok((created, interval))
 }
 
+/// The transaction-scoped advisory lock that keeps two sealers apart (not
+/// the maintenance lock: a seal reads a whole partition, and the partitions
+/// ahead must not wait for it).
+const SEAL_LOCK: &str = "SELECT pg_advisory_xact_lock(7243219090)";
+
+/// Seals the partitions of the inbox that ended `grace` or more before
+/// `now_ms` (and are not to be dropped: their end is after `keep_after_ms`),
+/// oldest first, each after the last sealed one; returns how many.
+///
+/// Sealing a partition, in one transaction: a trigger that refuses new
+/// rows is created on it, which waits for every transaction that has
+/// inserted into it to end; then its keys' filter is built from what is
+/// committed, and its range recorded as sealed. Claims then probe it only
+/// when the filter holds the key's bits.
+pub(super) async fn seal<DB: SqlDatabase>(
+    sql: &PartitionSql,
+    pool: &sqlx::Pool<DB>,
+    now_ms: i64,
+    keep_after_ms: i64,
+) -> Result<usize, StoreError> {
+    let inbox = sql.inbox();
+    let Sealing {
+        sealed,
+        filter,
+        refuse,
+    } = Sealing::of(inbox);
+    let mut done = 0;
+    loop {
+        let mut tx = pool.begin().await.map_err(store_error)?;
+        DB::execute(&mut tx, SEAL_LOCK, &[])
+            .await
+            .map_err(store_error)?;
+        let (interval, _) = sql.read_layout::<DB>(&mut tx).await?;
+        let grace = interval.min(600_000);
+        let sealed_starts = DB::fetch(
+            &mut tx,
+            &format!("SELECT start_ms FROM {sealed}"),
+            &[],
+            &[Column::Int],
+        )
+        .await
+        .map_err(store_error)?
+        .iter()
+        .map(|row| row.int(0))
+        .collect::<Result<Vec<i64>, _>>()
+        .map_err(store_error)?;
+        let mut existing = partitions::<DB>(&mut tx, inbox).await?;
+        existing.sort_by_key(|p| p.start);
+        // The first partition not sealed: the sealed ones are the oldest.
+        let Some(next) = existing
+            .into_iter()
+            .find(|p| !sealed_starts.contains(&p.start))
+        else {
+            return Ok(done);
+        };
+        if next.end.saturating_add(grace) > now_ms
+            || next.end <= keep_after_ms
+            || next.detach_pending
+        {
+            return Ok(done);
+        }
+        let name = &next.name;
+        DB::execute(&mut tx, "SET LOCAL lock_timeout = '5s'", &[])
+            .await
+            .map_err(store_error)?;
+        let trigger = format!(
+            "CREATE OR REPLACE TRIGGER idemq_sealed BEFORE INSERT ON {name} \
+             FOR EACH ROW EXECUTE FUNCTION {refuse}()"
+        );
+        if let Err(e) = DB::execute(&mut tx, &trigger, &[]).await {
+            if is_lock_timeout(&e) {
+                tracing::info!(partition = %name, "a transaction writing to the partition is still open: sealing it later");
+                return Ok(done);
+            }
+            return Err(store_error(e));
+        }
+        let counted = DB::fetch(
+            &mut tx,
+            &format!("SELECT COUNT(*) FROM {name}"),
+            &[],
+            &[Column::Int],
+        )
+        .await
+        .map_err(store_error)?;
+        let rows = match counted.first() {
+            Some(row) => row.int(0).map_err(store_error)?,
+            None => 0,
+        };
+        let mask = block_mask(rows);
+        let start = next.start;
+        let build = format!(
+            "INSERT INTO {filter} (start_ms, block, bits) \
+             SELECT {start}, b, bit_or(m) FROM (SELECT {block_hash} & {mask} AS b, {value} AS m \
+             FROM (SELECT consumer, msg_key, {bits_hash} AS h FROM {name}) AS k) AS v GROUP BY b",
+            block_hash = key_hash("consumer", "msg_key", 1),
+            bits_hash = key_hash("consumer", "msg_key", 2),
+            value = filter_mask("h"),
+        );
+        DB::execute(&mut tx, &build, &[])
+            .await
+            .map_err(store_error)?;
+        let record = format!(
+            "INSERT INTO {sealed} (start_ms, end_ms, mask) VALUES ({start}, {}, {mask})",
+            next.end
+        );
+        DB::execute(&mut tx, &record, &[])
+            .await
+            .map_err(store_error)?;
+        tx.commit().await.map_err(store_error)?;
+        tracing::info!(partition = %name, rows, blocks = mask + 1, "sealed: claims probe it through its key filter");
+        done += 1;
+    }
+}
+
+/// Whether `err` is PostgreSQL's lock timeout (55P03).
+fn is_lock_timeout(err: &sqlx::Error) -> bool {
+    matches!(err, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
+}
+
 /// Detaches (`CONCURRENTLY`: claims do not wait) and drops the partitions
 /// of `parent` wholly before `cutoff_ms`; returns how many, and the rows
 /// they held.
@@ -216,6 +473,22 @@ pub(super) async fn drop_before<DB: SqlDatabase>(
     DB::execute(conn, DROP_LOCK, &[])
         .await
         .map_err(store_error)?;
+    // The inbox's sealed ranges go before their partitions: a partition
+    // not (or no longer) recorded as sealed is probed by every claim.
+    let Sealing { sealed, filter, .. } = Sealing::of(parent);
+    let has_sealing = DB::fetch(
+        conn,
+        "SELECT (to_regclass($1) IS NOT NULL)::int::bigint",
+        &[Bind::Text(&sealed)],
+        &[Column::Int],
+    )
+    .await
+    .map_err(store_error)?
+    .first()
+    .map(|row| row.int(0))
+    .transpose()
+    .map_err(store_error)?
+        == Some(1);
     let mut dropped = 0;
     let mut rows = 0;
     for partition in partitions::<DB>(conn, parent).await? {
@@ -224,6 +497,15 @@ pub(super) async fn drop_before<DB: SqlDatabase>(
         }
         let name = &partition.name;
         rows += rows_held::<DB>(conn, &partition, &format!("SELECT COUNT(*) FROM {name}")).await?;
+        if has_sealing {
+            let start = partition.start;
+            for forget in [
+                format!("DELETE FROM {sealed} WHERE start_ms = {start}"),
+                format!("DELETE FROM {filter} WHERE start_ms = {start}"),
+            ] {
+                DB::execute(conn, &forget, &[]).await.map_err(store_error)?;
+            }
+        }
         // A detach interrupted earlier is finished, not started again.
         let detach = if partition.detach_pending {
             format!("ALTER TABLE {parent} DETACH PARTITION {name} FINALIZE")
