@@ -263,6 +263,35 @@ impl CellStore {
         Ok(())
     }
 
+    /// Runs the store's retention with a cutoff of 0: it drops nothing, and
+    /// on a partitioned PostgreSQL inbox seals the partitions that have
+    /// ended. Returns how many partitions are sealed (`None`: not a
+    /// partitioned PostgreSQL inbox named `inbox`).
+    pub async fn seal_partitions(&self, inbox: &str) -> Result<Option<i64>> {
+        self.admin().prune_batch(0, 10_000).await?;
+        Ok(match self {
+            #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+            CellStore::Sql(s) => {
+                let exists = s
+                    .count(&format!(
+                        "SELECT COUNT(*) FROM information_schema.tables \
+                         WHERE table_name = '{inbox}_sealed'"
+                    ))
+                    .await?;
+                if exists == 0 {
+                    None
+                } else {
+                    Some(
+                        s.count(&format!("SELECT COUNT(*) FROM {inbox}_sealed"))
+                            .await?,
+                    )
+                }
+            }
+            #[allow(unreachable_patterns)]
+            _ => None,
+        })
+    }
+
     /// How many effects the ledger holds (for pacing the kills).
     pub async fn applied(&self, table: &str) -> Result<u64> {
         Ok(match self {

@@ -535,7 +535,36 @@ impl CellRun<'_> {
             }
         }
 
-        self.drive(&setup, &store, &plan, &mut cell, rng).await?;
+        // A partitioned inbox is sealed as its partitions end, as the
+        // pruner does, while the workers claim and get killed.
+        let driven = std::sync::atomic::AtomicBool::new(false);
+        let inbox = format!("{}inbox", setup.prefix);
+        let (outcome, sealed) = tokio::join!(
+            async {
+                let outcome = self.drive(&setup, &store, &plan, &mut cell, rng).await;
+                driven.store(true, std::sync::atomic::Ordering::SeqCst);
+                outcome
+            },
+            async {
+                let mut sealed = None;
+                while args.partitioned_inbox.is_some()
+                    && !driven.load(std::sync::atomic::Ordering::SeqCst)
+                {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    // The database may be restarting: the next round seals.
+                    if let Ok(count) = store.seal_partitions(&inbox).await {
+                        sealed = count.or(sealed);
+                    }
+                }
+                sealed
+            }
+        );
+        outcome?;
+        if let Some(sealed) = sealed {
+            cell.notes.push(format!(
+                "{sealed} partitions sealed during the run (claims looked into them through their key filters)"
+            ));
+        }
         cell.seconds = started.elapsed().as_secs_f64();
         check(&store, &setup.table, &setup.consumer, &plan, &mut cell).await?;
         if setup.sql {
