@@ -1123,24 +1123,27 @@ where
     DB: sqlx::Database,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
 {
-    for name in [
-        table.to_owned(),
-        format!("{prefix}inbox"),
-        format!("{prefix}attempts"),
-        format!("{prefix}dead_letters"),
-        format!("{prefix}schema_migrations"),
-        format!("{prefix}offsets"),
-        // A partitioned layout's journal, layout row and guard rows.
-        format!("{prefix}effects"),
-        format!("{prefix}inbox_layout"),
-        format!("{prefix}inbox_guard"),
-    ] {
+    let tables = idemq::store::sql::Tables::new(prefix).expect("a valid prefix");
+    let idemq_tables = [
+        &tables.inbox,
+        &tables.attempts,
+        &tables.dead_letters,
+        &tables.migrations,
+        &tables.offsets,
+        &tables.effects,
+    ]
+    .map(String::to_owned);
+    // A partitioned layout's tables too.
+    for name in std::iter::once(table.to_owned())
+        .chain(idemq_tables)
+        .chain(tables.partition_tables())
+    {
         let _ = sqlx::raw_sql(&format!("DROP TABLE IF EXISTS {name}"))
             .execute(pool)
             .await;
     }
-    for function in ["inbox_claim", "effects_put"] {
-        let _ = sqlx::raw_sql(&format!("DROP FUNCTION IF EXISTS {prefix}{function}"))
+    for function in tables.partition_functions() {
+        let _ = sqlx::raw_sql(&format!("DROP FUNCTION IF EXISTS {function}"))
             .execute(pool)
             .await;
     }

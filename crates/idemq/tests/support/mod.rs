@@ -253,25 +253,24 @@ pub async fn sql_store<DB: SqlDatabase>(tag: &str, options: SqlOptions) -> (SqlS
 }
 
 /// Drops what a test made under `prefix`: [`TEST_TABLES`], the journal, and
-/// a partitioned layout's layout row, guard rows, claim and journal
-/// functions.
+/// a partitioned layout's tables and functions.
 pub async fn drop_tables<DB: SqlDatabase>(pool: &sqlx::Pool<DB>, prefix: &str) {
     let Ok(mut conn) = pool.acquire().await else {
         return;
     };
-    for table in TEST_TABLES
-        .iter()
-        .chain(&["effects", "inbox_layout", "inbox_guard"])
+    let Ok(tables) = idemq::store::sql::Tables::new(prefix) else {
+        return;
+    };
+    let test_tables = TEST_TABLES.iter().map(|t| format!("{prefix}{t}"));
+    let layout_tables = tables.partition_tables();
+    for table in test_tables
+        .chain([tables.effects.clone()])
+        .chain(layout_tables)
     {
-        let _ = DB::execute(
-            &mut conn,
-            &format!("DROP TABLE IF EXISTS {prefix}{table}"),
-            &[],
-        )
-        .await;
+        let _ = DB::execute(&mut conn, &format!("DROP TABLE IF EXISTS {table}"), &[]).await;
     }
-    for function in ["inbox_claim", "effects_put"] {
-        let sql = format!("DROP FUNCTION IF EXISTS {prefix}{function}");
+    for function in tables.partition_functions() {
+        let sql = format!("DROP FUNCTION IF EXISTS {function}");
         let _ = DB::execute_script(&mut conn, &sql).await;
     }
 }

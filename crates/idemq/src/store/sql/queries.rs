@@ -71,6 +71,35 @@ impl Tables {
             effects: format!("{prefix}effects"),
         })
     }
+
+    /// The tables a partitioned inbox adds beside [`inbox`](Self::inbox)
+    /// and [`effects`](Self::effects): its layout row, MariaDB's guard rows,
+    /// PostgreSQL's sealed ranges and their key filters.
+    ///
+    /// ```
+    /// let tables = idemq::store::sql::Tables::new("app_").unwrap();
+    /// assert_eq!(tables.partition_tables()[0], "app_inbox_layout");
+    /// ```
+    pub fn partition_tables(&self) -> [String; 4] {
+        let inbox = &self.inbox;
+        [
+            format!("{inbox}_layout"),
+            format!("{inbox}_guard"),
+            format!("{inbox}_sealed"),
+            format!("{inbox}_filter"),
+        ]
+    }
+
+    /// The functions a partitioned inbox adds: the claim, the journal
+    /// write and the trigger function of sealed partitions (drop them after
+    /// the tables).
+    pub fn partition_functions(&self) -> [String; 3] {
+        [
+            format!("{}_claim", self.inbox),
+            format!("{}_put", self.effects),
+            format!("{}_refuse", self.inbox),
+        ]
+    }
 }
 
 impl Default for Tables {

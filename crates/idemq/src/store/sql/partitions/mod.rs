@@ -145,14 +145,16 @@ pub(super) struct PartitionSql {
 
 impl PartitionSql {
     pub(super) fn new(dialect: Dialect, tables: &Tables) -> Self {
+        let [layout_table, guard, _, _] = tables.partition_tables();
+        let [function, put_function, _] = tables.partition_functions();
         Self {
             dialect,
             inbox: tables.inbox.clone(),
-            layout_table: format!("{}_layout", tables.inbox),
-            function: format!("{}_claim", tables.inbox),
+            layout_table,
+            function,
             effects: tables.effects.clone(),
-            put_function: format!("{}_put", tables.effects),
-            guard: format!("{}_guard", tables.inbox),
+            put_function,
+            guard,
         }
     }
 
