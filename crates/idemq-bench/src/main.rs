@@ -5,7 +5,9 @@
 //!
 //! Sections:
 //! - SQL (PostgreSQL, MariaDB, SQLite): the bare effect (the ledger INSERT in
-//!   its own transaction, no inbox) beside idemq per-message;
+//!   its own transaction, no inbox) beside idemq per-message; and
+//!   (`sql-partitioned`) the same on PostgreSQL's and MariaDB's
+//!   time-partitioned inbox;
 //! - set-based batches (PostgreSQL): the raw multi-row limit beside the
 //!   library's batch mode (per-message and set-based handlers) and the CLI
 //!   per message and with `--batch 100`, whole process;
@@ -215,12 +217,12 @@ pub struct Config {
     #[arg(long, env = "IDEMQ_BENCH_CLI")]
     pub cli: Option<std::path::PathBuf>,
 
-    /// Sections to run, comma-separated: sql, batch, claim, partitioned,
-    /// redis, cluster, memory, e2e, relay, peers.
+    /// Sections to run, comma-separated: sql, sql-partitioned, batch,
+    /// claim, partitioned, redis, cluster, memory, e2e, relay, peers.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "sql,batch,claim,partitioned,redis,memory,e2e,relay,peers"
+        default_value = "sql,sql-partitioned,batch,claim,partitioned,redis,memory,e2e,relay,peers"
     )]
     pub only: Vec<String>,
 }
@@ -417,6 +419,12 @@ async fn main() -> anyhow::Result<()> {
         let (r, _, v) = sql::sqlite_rows(&cfg).await.context("SQLite rows")?;
         rows.extend(r);
         versions.push(v);
+    }
+    if cfg.runs("sql-partitioned") {
+        let r = sql::partitioned_rows(&cfg)
+            .await
+            .context("partitioned inbox rows")?;
+        rows.extend(r);
     }
     if cfg.runs("batch") {
         let (r, n) = batch::rows(&cfg).await.context("set-based batch rows")?;

@@ -1,7 +1,7 @@
 //! The time-partitioned PostgreSQL inbox (`SqlOptions::partitioned_inbox`,
-//! daily partitions): claim cost with N keys spread over ten past days
-//! beside an empty partitioned inbox, the time retention takes to drop one
-//! day, and the inbox's table + index size over a simulated week (three
+//! daily partitions): claim cost with N keys spread over ten past (sealed)
+//! days beside an empty partitioned inbox, the time sealing a day takes,
+//! the time retention takes to drop one day, and the inbox's table + index size over a simulated week (three
 //! days kept) beside the one-table layout pruned row by row.
 //!
 //! The preload goes into one table per past day by `INSERT … SELECT
@@ -49,13 +49,20 @@ async fn store(cfg: &Config, tag: &str, partitioned: bool) -> anyhow::Result<Pos
 
 async fn drop_store(store: &PostgresStore) {
     let t = store.tables();
-    for sql in [
-        format!(
-            "DROP TABLE IF EXISTS {0}, {0}_layout, {1}, {2}, {3}, {4}, {5}",
-            t.inbox, t.attempts, t.dead_letters, t.migrations, t.offsets, t.effects
-        ),
-        format!("DROP FUNCTION IF EXISTS {}_claim", t.inbox),
-    ] {
+    let drop_tables = format!(
+        "DROP TABLE IF EXISTS {}, {}, {}, {}, {}, {}, {}",
+        t.inbox,
+        t.attempts,
+        t.dead_letters,
+        t.migrations,
+        t.offsets,
+        t.effects,
+        t.partition_tables().join(", ")
+    );
+    let drop_functions = t
+        .partition_functions()
+        .map(|f| format!("DROP FUNCTION IF EXISTS {f}"));
+    for sql in std::iter::once(drop_tables).chain(drop_functions) {
         let _ = sqlx::query(&sql).execute(store.pool()).await;
     }
     store.pool().close().await;
@@ -130,6 +137,20 @@ async fn claim_and_drop_rows(cfg: &Config) -> anyhow::Result<Vec<Row>> {
                 started.elapsed().as_secs_f64()
             );
         }
+        // Seal the past days (what the pruner does once a day has ended):
+        // claims then probe a past day's partition only when its key filter
+        // holds the key's bits.
+        idemq::retention::prune_before(&empty, 0, cfg.prune_batch, Duration::ZERO).await?;
+        let started = Instant::now();
+        idemq::retention::prune_before(&full, 0, cfg.prune_batch, Duration::ZERO).await?;
+        let seal_ms = started.elapsed().as_secs_f64() * 1e3 / PRELOAD_DAYS as f64;
+        progress!("partitioned: sealed {PRELOAD_DAYS} days in {:.1} s", seal_ms * PRELOAD_DAYS as f64 / 1e3);
+        let filter_bytes: Option<i64> =
+            sqlx::query_scalar("SELECT pg_total_relation_size(to_regclass($1))::bigint")
+                .bind(format!("{}_filter", full.tables().inbox))
+                .fetch_one(full.pool())
+                .await?;
+        let filter_mib = mib(filter_bytes.unwrap_or(0));
         let sets = [&fresh, &empty, &full];
         for set in sets {
             claim_cost(set, cfg.claims.min(200)).await?;
@@ -188,6 +209,23 @@ async fn claim_and_drop_rows(cfg: &Config) -> anyhow::Result<Vec<Row>> {
                 growth <= CLAIM_GROWTH_TARGET,
             ),
         ];
+        rows.push(Row::new(
+            SECTION,
+            format!("sealing one past day ({} keys): trigger, key filter build", keys(per_day)),
+            per_day,
+            seal_ms,
+            "ms",
+        ));
+        rows.push(Row::new(
+            SECTION,
+            format!(
+                "key filters of the {PRELOAD_DAYS} sealed days ({} keys), table + index",
+                keys(cfg.partitioned_keys)
+            ),
+            cfg.partitioned_keys,
+            filter_mib,
+            "MiB",
+        ));
         // Retention: the oldest day goes, whole.
         let cutoff = oldest + DAY_MS;
         let started = Instant::now();
@@ -252,7 +290,9 @@ async fn simulate_week(
     batch: u32,
 ) -> anyhow::Result<(i64, i64)> {
     let inbox = &store.tables().inbox;
-    let first = day_start(8);
+    // The simulated days lie ahead of today: retention seals partitions
+    // that have ended in real time, which would seal days not yet written.
+    let first = day_start(-(1 + i64::from(InboxPartitions::daily().ahead)));
     if partitioned {
         for d in 0..7 {
             attach_day(store, first + d * DAY_MS, 0).await?;

@@ -165,17 +165,27 @@ macro_rules! backend {
                 Ok(ledger)
             }
 
-            /// Drops the tables of `store` and the ledger.
+            /// Drops the tables of `store` (a partitioned layout's too) and
+            /// the ledger.
             pub async fn teardown(store: &$Store, ledger: &str) {
                 let t = store.tables();
-                for table in [
+                let tables = [
                     ledger,
                     &t.inbox,
                     &t.attempts,
                     &t.dead_letters,
                     &t.migrations,
-                ] {
-                    let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {table}"))
+                    &t.offsets,
+                    &t.effects,
+                ]
+                .map(str::to_owned);
+                for table in tables.into_iter().chain(t.partition_tables()) {
+                    let _ = sqlx::raw_sql(&format!("DROP TABLE IF EXISTS {table}"))
+                        .execute(store.pool())
+                        .await;
+                }
+                for function in t.partition_functions() {
+                    let _ = sqlx::raw_sql(&format!("DROP FUNCTION IF EXISTS {function}"))
                         .execute(store.pool())
                         .await;
                 }
@@ -431,6 +441,45 @@ pub async fn mysql_rows(cfg: &Config) -> anyhow::Result<(Vec<Row>, f64, (String,
         ),
         anyhow::Context::context(profile, "MariaDB server counters")?,
     ))
+}
+
+/// The same pairs on a time-partitioned inbox (daily partitions, so one
+/// populated partition: the layout's own cost, not a long retention's),
+/// PostgreSQL and MariaDB, each against its own bare effect.
+pub async fn partitioned_rows(cfg: &Config) -> anyhow::Result<Vec<Row>> {
+    use idemq::store::sql::mysql::MySqlStore;
+    use idemq::store::sql::postgres::PostgresStore;
+    use idemq::store::sql::InboxPartitions;
+    let options = |tag: &str| {
+        SqlOptions::default()
+            .table_prefix(prefix(tag))
+            .max_connections(cfg.pool)
+            .partitioned_inbox(InboxPartitions::daily())
+    };
+    progress!("PostgreSQL, partitioned inbox: bare effect vs idemq per-message");
+    let store = PostgresStore::connect_with(&cfg.postgres, options("pgpart")).await?;
+    let m = postgres::measure(cfg, &store, cfg.concurrency, "PostgreSQL partitioned").await?;
+    store.pool().close().await;
+    let (mut rows, _) = pair_rows(
+        "PostgreSQL, partitioned inbox",
+        "BEGIN; INSERT; COMMIT",
+        cfg.messages,
+        &m,
+    );
+    progress!("MariaDB, partitioned inbox: bare effect vs idemq per-message");
+    let store = MySqlStore::connect_with(&cfg.mysql, options("mypart")).await?;
+    let m = mysql::measure(cfg, &store, cfg.concurrency, "MariaDB partitioned").await?;
+    store.pool().close().await;
+    rows.extend(
+        pair_rows(
+            "MariaDB, partitioned inbox",
+            "BEGIN; INSERT; COMMIT",
+            cfg.messages,
+            &m,
+        )
+        .0,
+    );
+    Ok(rows)
 }
 
 /// SQLite: rows, the bare-effect median, the version line.
