@@ -391,7 +391,6 @@ async fn retention_drops_partitions_while_consumers_run<DB: SqlDatabase>() {
         early.is_empty(),
         "applied twice within the kept window: {early:?}"
     );
-    let ledger = ledger(&store, &prefix).await;
     let kept = sql_int(&store, &format!("SELECT COUNT(*) FROM {prefix}inbox"), &[]).await;
     assert!(pruned > 0, "nothing pruned");
     assert_eq!(
@@ -840,6 +839,52 @@ mod postgres {
             let claim = store.claim(&req(&key)).await.expect("claim");
             assert!(!matches!(claim, Claim::New(_)), "{key} claimed as new");
         }
+        cleanup(&store, &prefix).await;
+    }
+
+    /// Retention drops a sealed partition with its sealed row and filter, and
+    /// forgets the seal of a partition that is gone (a seal that raced
+    /// another process's drop).
+    #[tokio::test]
+    async fn retention_forgets_the_seals_of_dropped_partitions() {
+        let (store, prefix) = partitioned::<sqlx::Postgres>().await;
+        for n in 0..50 {
+            assert!(apply(&store, &prefix, &format!("old-{n}")).await);
+        }
+        into_next_partition(1_100).await;
+        idemq::retention::prune_before(&store, 0, 10_000, Duration::ZERO)
+            .await
+            .expect("seal");
+        let count_sealed = format!(
+            "SELECT (SELECT COUNT(*) FROM {prefix}inbox_sealed) + \
+             (SELECT COUNT(*) FROM {prefix}inbox_filter)"
+        );
+        assert!(
+            sql_int(&store, &count_sealed, &[]).await >= 2,
+            "nothing sealed"
+        );
+        // A seal of a partition that no longer exists.
+        sql_exec(
+            &store,
+            &format!("INSERT INTO {prefix}inbox_sealed VALUES (1000, 2000, 0)"),
+            &[],
+        )
+        .await;
+        sql_exec(
+            &store,
+            &format!("INSERT INTO {prefix}inbox_filter VALUES (1000, 0, B'1'::bit(2048))"),
+            &[],
+        )
+        .await;
+        let pruned = idemq::retention::prune_before(&store, now_ms(), 10_000, Duration::ZERO)
+            .await
+            .expect("prune");
+        assert_eq!(pruned, 50);
+        assert_eq!(
+            sql_int(&store, &count_sealed, &[]).await,
+            0,
+            "a seal outlived its partition"
+        );
         cleanup(&store, &prefix).await;
     }
 

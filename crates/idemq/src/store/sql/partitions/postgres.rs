@@ -457,6 +457,15 @@ pub(super) async fn seal<DB: SqlDatabase>(
     }
 }
 
+/// One statement (so both or neither) that deletes the sealed rows matching
+/// `condition` and their filters' rows.
+fn forget_sealed(sealed: &str, filter: &str, condition: &str) -> String {
+    format!(
+        "WITH gone AS (DELETE FROM {sealed} WHERE {condition} RETURNING start_ms) \
+         DELETE FROM {filter} f USING gone WHERE f.start_ms = gone.start_ms"
+    )
+}
+
 /// Whether `err` is PostgreSQL's lock timeout (55P03).
 fn is_lock_timeout(err: &sqlx::Error) -> bool {
     matches!(err, sqlx::Error::Database(db) if db.code().as_deref() == Some("55P03"))
@@ -498,13 +507,9 @@ pub(super) async fn drop_before<DB: SqlDatabase>(
         let name = &partition.name;
         rows += rows_held::<DB>(conn, &partition, &format!("SELECT COUNT(*) FROM {name}")).await?;
         if has_sealing {
-            let start = partition.start;
-            for forget in [
-                format!("DELETE FROM {sealed} WHERE start_ms = {start}"),
-                format!("DELETE FROM {filter} WHERE start_ms = {start}"),
-            ] {
-                DB::execute(conn, &forget, &[]).await.map_err(store_error)?;
-            }
+            let forget =
+                forget_sealed(&sealed, &filter, &format!("start_ms = {}", partition.start));
+            DB::execute(conn, &forget, &[]).await.map_err(store_error)?;
         }
         // A detach interrupted earlier is finished, not started again.
         let detach = if partition.detach_pending {
@@ -517,6 +522,23 @@ pub(super) async fn drop_before<DB: SqlDatabase>(
             .await
             .map_err(store_error)?;
         dropped += 1;
+    }
+    if has_sealing {
+        // A seal that raced another process's drop leaves rows for a
+        // partition that is gone: they only cost space, and go here.
+        let starts: Vec<String> = partitions::<DB>(conn, parent)
+            .await?
+            .iter()
+            .map(|p| p.start.to_string())
+            .collect();
+        let gone = if starts.is_empty() {
+            "TRUE".to_owned()
+        } else {
+            format!("start_ms NOT IN ({})", starts.join(", "))
+        };
+        DB::execute(conn, &forget_sealed(&sealed, &filter, &gone), &[])
+            .await
+            .map_err(store_error)?;
     }
     Ok((dropped, rows))
 }
