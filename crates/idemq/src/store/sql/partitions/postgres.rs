@@ -76,6 +76,9 @@ fn claim_function(sql: &PartitionSql) -> String {
     let Sealing { sealed, filter, .. } = Sealing::of(inbox);
     let key = "consumer = p_consumer AND msg_key = p_key";
     let bits = filter_bits("v_bits", "f.bits");
+    // The filter is read block by block through its primary key: a LATERAL
+    // subquery with LIMIT keeps the planner from joining the sealed rows to
+    // the whole filter table (a hash join read all of it, 17 ms a claim).
     format!(
         "CREATE OR REPLACE FUNCTION {function}(p_consumer TEXT, p_key TEXT, p_fingerprint TEXT, \
          p_created_at BIGINT) RETURNS BOOLEAN LANGUAGE plpgsql VOLATILE AS $idemq$ \
@@ -96,8 +99,9 @@ fn claim_function(sql: &PartitionSql) -> String {
              END IF; \
              v_block := {block_hash}; \
              v_bits := {bits_hash}; \
-             FOR v_part IN SELECT s.start_ms, s.end_ms FROM {sealed} s JOIN {filter} f \
-               ON f.start_ms = s.start_ms AND f.block = (v_block & s.mask) WHERE {bits} LOOP \
+             FOR v_part IN SELECT s.start_ms, s.end_ms FROM {sealed} s CROSS JOIN LATERAL \
+               (SELECT bits FROM {filter} WHERE start_ms = s.start_ms \
+                 AND block = (v_block & s.mask) LIMIT 1) f WHERE {bits} LOOP \
                IF EXISTS (SELECT 1 FROM {inbox} WHERE {key} AND created_at >= v_part.start_ms \
                  AND created_at < v_part.end_ms) THEN \
                  RETURN FALSE; \
@@ -449,6 +453,10 @@ pub(super) async fn seal<DB: SqlDatabase>(
             next.end
         );
         DB::execute(&mut tx, &record, &[])
+            .await
+            .map_err(store_error)?;
+        // Statistics for the claims' plans, which the new rows outdate.
+        DB::execute(&mut tx, &format!("ANALYZE {sealed}, {filter}"), &[])
             .await
             .map_err(store_error)?;
         tx.commit().await.map_err(store_error)?;
