@@ -350,14 +350,8 @@ pub(super) async fn detect_table<DB: SqlDatabase>(
         Dialect::MySql => (mysql::DETECT, &[Bind::Text(table), Bind::Text(table)]),
         _ => (postgres::DETECT, &[Bind::Text(table)]),
     };
-    let rows = DB::fetch(conn, sql, binds, &[Column::Int])
-        .await
-        .map_err(store_error)?;
-    let code = match rows.first() {
-        Some(row) => row.int(0).map_err(store_error)?,
-        None => 0,
-    };
-    Ok(match code {
+    let code = int_column::<DB>(conn, sql, binds).await?.first().copied();
+    Ok(match code.unwrap_or(0) {
         0 => None,
         2 => Some(Layout::Partitioned),
         _ => Some(Layout::Plain),
@@ -404,14 +398,25 @@ async fn rows_held<DB: SqlDatabase>(
     if partition.rows >= EXACT_BELOW {
         return Ok(u64::try_from(partition.rows).unwrap_or(0));
     }
-    let found = DB::fetch(conn, count_sql, &[], &[Column::Int])
+    let count = int_column::<DB>(conn, count_sql, &[])
+        .await?
+        .first()
+        .copied();
+    Ok(u64::try_from(count.unwrap_or(0)).unwrap_or(0))
+}
+
+/// The first column of the rows of `sql`, as integers.
+async fn int_column<DB: SqlDatabase>(
+    conn: &mut DB::Connection,
+    sql: &str,
+    binds: &[Bind<'_>],
+) -> Result<Vec<i64>, StoreError> {
+    DB::fetch(conn, sql, binds, &[Column::Int])
         .await
-        .map_err(store_error)?;
-    let count = match found.first() {
-        Some(row) => row.int(0).map_err(store_error)?,
-        None => 0,
-    };
-    Ok(u64::try_from(count).unwrap_or(0))
+        .map_err(store_error)?
+        .iter()
+        .map(|row| row.int(0).map_err(store_error))
+        .collect()
 }
 
 /// When a store next makes sure the partitions ahead exist.

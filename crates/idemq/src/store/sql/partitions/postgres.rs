@@ -6,7 +6,7 @@
 //! new snapshot. Partitions are made by `CREATE TABLE` + `ATTACH` (claims do
 //! not wait) and retired by `DETACH … CONCURRENTLY` + `DROP`.
 
-use super::{missing_ranges, rows_held, Partition, PartitionSql};
+use super::{int_column, missing_ranges, rows_held, Partition, PartitionSql};
 use crate::error::StoreError;
 use crate::store::sql::database::{Bind, Column, SqlDatabase};
 use crate::store::sql::store_error;
@@ -381,18 +381,8 @@ pub(super) async fn seal<DB: SqlDatabase>(
             .map_err(store_error)?;
         let (interval, _) = sql.read_layout::<DB>(&mut tx).await?;
         let grace = interval.min(600_000);
-        let sealed_starts = DB::fetch(
-            &mut tx,
-            &format!("SELECT start_ms FROM {sealed}"),
-            &[],
-            &[Column::Int],
-        )
-        .await
-        .map_err(store_error)?
-        .iter()
-        .map(|row| row.int(0))
-        .collect::<Result<Vec<i64>, _>>()
-        .map_err(store_error)?;
+        let sealed_starts =
+            int_column::<DB>(&mut tx, &format!("SELECT start_ms FROM {sealed}"), &[]).await?;
         let mut existing = partitions::<DB>(&mut tx, inbox).await?;
         existing.sort_by_key(|p| p.start);
         // The first partition not sealed: the sealed ones are the oldest.
@@ -423,18 +413,9 @@ pub(super) async fn seal<DB: SqlDatabase>(
             }
             return Err(store_error(e));
         }
-        let counted = DB::fetch(
-            &mut tx,
-            &format!("SELECT COUNT(*) FROM {name}"),
-            &[],
-            &[Column::Int],
-        )
-        .await
-        .map_err(store_error)?;
-        let rows = match counted.first() {
-            Some(row) => row.int(0).map_err(store_error)?,
-            None => 0,
-        };
+        let count = format!("SELECT COUNT(*) FROM {name}");
+        let counted = int_column::<DB>(&mut tx, &count, &[]).await?;
+        let rows = counted.first().copied().unwrap_or(0);
         let mask = block_mask(rows);
         let start = next.start;
         let build = format!(
@@ -493,19 +474,8 @@ pub(super) async fn drop_before<DB: SqlDatabase>(
     // The inbox's sealed ranges go before their partitions: a partition
     // not (or no longer) recorded as sealed is probed by every claim.
     let Sealing { sealed, filter, .. } = Sealing::of(parent);
-    let has_sealing = DB::fetch(
-        conn,
-        "SELECT (to_regclass($1) IS NOT NULL)::int::bigint",
-        &[Bind::Text(&sealed)],
-        &[Column::Int],
-    )
-    .await
-    .map_err(store_error)?
-    .first()
-    .map(|row| row.int(0))
-    .transpose()
-    .map_err(store_error)?
-        == Some(1);
+    let exists = "SELECT (to_regclass($1) IS NOT NULL)::int::bigint";
+    let has_sealing = int_column::<DB>(conn, exists, &[Bind::Text(&sealed)]).await? == [1];
     let mut dropped = 0;
     let mut rows = 0;
     for partition in partitions::<DB>(conn, parent).await? {
