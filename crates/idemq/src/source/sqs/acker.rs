@@ -11,7 +11,7 @@ use super::mapping::{
     sha256_hex, string_attribute, ID_ATTRIBUTE, KEY_ATTRIBUTE, MAX_ATTRIBUTES, REASON_ATTRIBUTE,
 };
 use super::queue::{broker_error, QueueRef};
-use super::shared::{release_now, Lease, Shared};
+use super::shared::{release_now, Lease, Shared, Stopped};
 use crate::error::SourceError;
 use crate::outcome::DeadLetterReason;
 use crate::source::kit::{Redeliver, Unsettled};
@@ -27,11 +27,12 @@ pub(super) struct SqsAcker {
 }
 
 impl SqsAcker {
-    /// Stops the visibility extension and returns the receipt handle.
-    async fn stop(&mut self) -> Option<String> {
+    /// Stops the visibility extension; the receipt handle, and how the lease
+    /// kept the message.
+    async fn stop(&mut self) -> Option<(String, Stopped)> {
         let lease = self.lease.take()?;
-        lease.stop().await;
-        Some(lease.receipt.clone())
+        let stopped = lease.stop().await;
+        Some((lease.receipt.clone(), stopped))
     }
 
     /// Frees the FIFO group. With `redeliver`, the group's later messages that
@@ -139,18 +140,26 @@ impl Drop for SqsAcker {
 #[async_trait]
 impl Acknowledger for SqsAcker {
     async fn ack(mut self: Box<Self>) -> Result<(), SourceError> {
-        let Some(receipt) = self.stop().await else {
+        let Some((receipt, _)) = self.stop().await else {
             return Ok(());
         };
         self.delete_and_release(&receipt).await
     }
 
     async fn nack(mut self: Box<Self>, delay: Duration) -> Result<(), SourceError> {
-        let Some(receipt) = self.stop().await else {
+        let Some((receipt, stopped)) = self.stop().await else {
             return Ok(());
         };
         let secs = delay_secs(delay);
-        let result = self.shared.change_visibility(&receipt, secs).await;
+        let mut result = self.shared.change_visibility(&receipt, secs).await;
+        if self.group.is_some() && secs > 0 && stopped.may_have_lapsed() {
+            // The message was visible for a moment while held: the queue may
+            // no longer count it as in flight, so while it waits out the delay
+            // nothing holds its group back, and the later messages released
+            // below would pass it. It comes back now instead, ahead of them.
+            tracing::debug!(queue = %self.shared.queue.name, "the visibility may have run out: a FIFO retry comes back at once");
+            result = self.shared.change_visibility(&receipt, 0).await;
+        }
         self.release_group(true);
         result
     }
@@ -159,7 +168,7 @@ impl Acknowledger for SqsAcker {
         mut self: Box<Self>,
         reason: &DeadLetterReason,
     ) -> Result<(), SourceError> {
-        let Some(receipt) = self.stop().await else {
+        let Some((receipt, _)) = self.stop().await else {
             return Ok(());
         };
         if let Some(dlq) = self.shared.dead_letter.clone() {

@@ -10,6 +10,7 @@ use aws_sdk_sqs::types::MessageSystemAttributeName;
 use aws_sdk_sqs::Client;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use super::queue::{broker_error, QueueRef};
 use crate::error::SourceError;
@@ -91,39 +92,88 @@ impl Received {
 }
 
 /// Keeps one receipt handle invisible: a task extends its visibility every
-/// third of the timeout until the lease is stopped or dropped.
+/// third of the timeout until the lease is stopped or dropped, and notes
+/// whether the visibility may have run out in between.
 pub(super) struct Lease {
     pub(super) receipt: String,
-    stopped: Arc<tokio::sync::Mutex<bool>>,
+    cover: Arc<tokio::sync::Mutex<Cover>>,
     task: JoinHandle<()>,
 }
 
+/// What the extension task and a settlement share, under one lock.
+struct Cover {
+    /// No extension is sent any more.
+    stopped: bool,
+    /// Until when the message is surely invisible: when the receive or the
+    /// last extension that succeeded was *sent*, plus the visibility timeout.
+    until: Instant,
+    /// An extension succeeded only after `until`: the message was visible for
+    /// a moment. The queue may have counted it as back then (moto takes it out
+    /// of its in-flight groups, and a later visibility change does not put it
+    /// back), so its group is no longer held back by it.
+    lapsed: bool,
+}
+
+/// How a stopped [`Lease`] had kept its message.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Stopped {
+    /// `None`: an extension was still on its way when the stop gave up.
+    until: Option<Instant>,
+    lapsed: bool,
+}
+
+impl Stopped {
+    /// Whether the message may have been visible at some moment since it was
+    /// received, as far as is known now (ask after the settling request).
+    pub(super) fn may_have_lapsed(&self) -> bool {
+        self.lapsed || self.until.is_none_or(|until| Instant::now() > until)
+    }
+}
+
 impl Lease {
-    pub(super) fn start(shared: &Arc<Shared>, receipt: String) -> Self {
-        let stopped = Arc::new(tokio::sync::Mutex::new(false));
+    /// `sent`: when the receive that returned the message was sent (its
+    /// visibility timeout started no earlier).
+    pub(super) fn start(shared: &Arc<Shared>, receipt: String, sent: Instant) -> Self {
+        let cover = Arc::new(tokio::sync::Mutex::new(Cover {
+            stopped: false,
+            until: sent + shared.visibility,
+            lapsed: false,
+        }));
         let task = tokio::spawn(extend(
             Arc::downgrade(shared),
             receipt.clone(),
-            Arc::clone(&stopped),
+            Arc::clone(&cover),
+            sent,
         ));
         Self {
             receipt,
-            stopped,
+            cover,
             task,
         }
     }
 
     /// Stops extending; once this returns, no extension request is sent any more
     /// (one in progress has finished), so a settling request comes after it.
-    pub(super) async fn stop(&self) {
+    pub(super) async fn stop(&self) -> Stopped {
         // An extension stuck on the network must not hold up the settlement.
-        match tokio::time::timeout(STOP_WAIT, self.stopped.lock()).await {
-            Ok(mut stopped) => *stopped = true,
-            Err(_) => {
-                tracing::warn!("a visibility extension is still in progress; settling anyway")
+        let stopped = match tokio::time::timeout(STOP_WAIT, self.cover.lock()).await {
+            Ok(mut cover) => {
+                cover.stopped = true;
+                Stopped {
+                    until: Some(cover.until),
+                    lapsed: cover.lapsed,
+                }
             }
-        }
+            Err(_) => {
+                tracing::warn!("a visibility extension is still in progress; settling anyway");
+                Stopped {
+                    until: None,
+                    lapsed: true,
+                }
+            }
+        };
         self.task.abort();
+        stopped
     }
 }
 
@@ -136,31 +186,44 @@ impl Drop for Lease {
 async fn extend(
     shared: std::sync::Weak<Shared>,
     receipt: String,
-    stopped: Arc<tokio::sync::Mutex<bool>>,
+    cover: Arc<tokio::sync::Mutex<Cover>>,
+    received: Instant,
 ) {
     let Some(visibility) = shared.upgrade().map(|s| s.visibility) else {
         return;
     };
     let every = visibility / 3;
+    // A third after the previous request was *sent*: the queue's countdown
+    // starts no earlier, so a slow answer must not stretch the period.
+    let mut next = received + every;
     loop {
-        tokio::time::sleep(every).await;
-        let guard = stopped.lock().await;
-        if *guard {
+        tokio::time::sleep_until(next).await;
+        let mut held = cover.lock().await;
+        if held.stopped {
             return;
         }
         let Some(shared) = shared.upgrade() else {
             return;
         };
+        let sent = Instant::now();
+        next = sent + every;
         match shared
             .change_visibility(&receipt, shared.visibility_secs())
             .await
         {
-            Ok(()) => tracing::trace!(queue = %shared.queue.name, "visibility extended"),
+            Ok(()) => {
+                if Instant::now() > held.until {
+                    held.lapsed = true;
+                    tracing::debug!(queue = %shared.queue.name, "a visibility extension came after the timeout");
+                }
+                held.until = sent + visibility;
+                tracing::trace!(queue = %shared.queue.name, "visibility extended")
+            }
             Err(e) => {
                 tracing::warn!(queue = %shared.queue.name, error = %e, "extending the visibility failed")
             }
         }
-        drop(guard);
+        drop(held);
     }
 }
 

@@ -24,6 +24,8 @@ use crate::source::{Delivery, Source};
 const RECEIVE_GRACE: Duration = Duration::from_secs(15);
 
 async fn receive(shared: Arc<Shared>, max: i32) -> Result<Vec<Received>, SourceError> {
+    // The received messages' visibility timeout starts no earlier than this.
+    let sent = tokio::time::Instant::now();
     let call = shared
         .client
         .receive_message()
@@ -55,7 +57,7 @@ async fn receive(shared: Arc<Shared>, max: i32) -> Result<Vec<Received>, SourceE
             tracing::warn!(queue = %shared.queue.name, "received a message without a receipt handle");
             continue;
         };
-        let lease = Lease::start(&shared, receipt);
+        let lease = Lease::start(&shared, receipt, sent);
         received.push(Received { message, lease });
     }
     Ok(received)
