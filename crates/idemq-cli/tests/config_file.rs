@@ -4,6 +4,8 @@
 //! `config check` hides secrets and rejects a bad file with exit 2.
 #![cfg(feature = "sqlite")]
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -146,11 +148,7 @@ fn a_file_with_two_consumers_runs_both_once() {
 fn the_process_serves_one_endpoint_for_every_job() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("a.jsonl"), "{\"id\":\"a-1\"}\n").unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let config = dir.path().join("idemq.toml");
     std::fs::write(
         &config,

@@ -698,10 +698,7 @@ async fn statuses_and_transport_errors_map_as_documented() {
     assert!(timeout.to_string().contains("timed out"), "{timeout}");
 
     // A port nobody listens on: connection refused, retryable.
-    let closed = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
+    let closed = std::net::SocketAddr::from(([127, 0, 0, 1], support::free_port()));
     let refused = http::send(client.post(format!("http://{closed}/x")), key)
         .await
         .unwrap_err();

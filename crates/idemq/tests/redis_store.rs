@@ -581,11 +581,7 @@ struct Throwaway {
 
 impl Throwaway {
     async fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = support::free_port();
         let mut server = Self {
             port,
             dir: tempfile::tempdir().unwrap(),

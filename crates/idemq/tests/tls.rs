@@ -391,11 +391,10 @@ struct Spawned {
 impl Spawned {
     /// A free port and a directory for a broker about to start.
     fn prepare() -> (u16, tempfile::TempDir) {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        (port, tempfile::tempdir().expect("a temporary directory"))
+        (
+            support::free_port(),
+            tempfile::tempdir().expect("a temporary directory"),
+        )
     }
 
     /// Runs `program` with `args` and waits until it listens on `port`.

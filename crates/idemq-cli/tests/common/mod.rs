@@ -3,7 +3,7 @@
 #![allow(dead_code)] // not every test binary uses every helper
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
@@ -20,13 +20,26 @@ pub fn idemq() -> Command {
     cmd
 }
 
-/// A local TCP port free right now (the OS picks it).
+/// A local TCP port free right now, for a server about to be started on
+/// it. It is drawn from 28000 up to the start of the kernel's ephemeral range
+/// (`ip_local_port_range`, 32768 by default): the OS gives out ports of that
+/// range to every outgoing connection, so one taken there (as `bind(0)`
+/// does) can be taken by another test's connection before the server binds
+/// it; below it only another such draw can, one chance in thousands. Above
+/// the ports of the test services (27017 is FerretDB's).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .filter(|low| *low > 28_100)
+        .unwrap_or(32_768);
+    for _ in 0..1000 {
+        let port = fastrand::u16(28_000..ephemeral);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in 28000..{ephemeral}");
 }
 
 /// Waits (20 s at most) until something listens on `port`; `what` names

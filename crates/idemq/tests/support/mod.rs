@@ -43,6 +43,28 @@ pub fn mysql_url() -> String {
     std::env::var("IDEMQ_TEST_MYSQL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
 }
 
+/// A local TCP port free right now, for a server about to be started on
+/// it. It is drawn from 28000 up to the start of the kernel's ephemeral range
+/// (`ip_local_port_range`, 32768 by default): the OS gives out ports of that
+/// range to every outgoing connection, so one taken there (as `bind(0)`
+/// does) can be taken by another test's connection before the server binds
+/// it; below it only another such draw can, one chance in thousands. Above
+/// the ports of the test services (27017 is FerretDB's).
+pub fn free_port() -> u16 {
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .filter(|low| *low > 28_100)
+        .unwrap_or(32_768);
+    for _ in 0..1000 {
+        let port = fastrand::u16(28_000..ephemeral);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in 28000..{ephemeral}");
+}
+
 /// A name unique to this process and call, for tables, topics, queues and groups.
 pub fn unique(name: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
@@ -22,10 +22,25 @@ pub(super) const OUTCOMES: [&str; 5] = [
 /// Counts by outcome.
 pub(super) type Counts = BTreeMap<&'static str, u64>;
 
-/// A port no one listens on right now, for a worker's `--http-addr`.
+/// A port no one listens on right now, for a worker's `--http-addr`. Drawn
+/// from 28000 up to the start of the kernel's ephemeral range
+/// (`ip_local_port_range`): a port of that range (as `bind(0)` gives) can be
+/// taken by any outgoing connection before the worker binds it — with cells
+/// and workers running side by side it was — one below it only by another
+/// such draw. Above the test services' ports (27017 is FerretDB's).
 pub(super) fn free_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-    Ok(listener.local_addr()?.port())
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .filter(|low| *low > 28_100)
+        .unwrap_or(32_768);
+    for _ in 0..1000 {
+        let port = fastrand::u16(28_000..ephemeral);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    anyhow::bail!("no free port in 28000..{ephemeral}")
 }
 
 /// How long a `/readyz` may take: longer than the worker's own 2 s bound
