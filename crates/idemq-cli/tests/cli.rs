@@ -1361,7 +1361,8 @@ async fn broker_round_trip(url: &str) {
 }
 
 /// `consume` of the payments published to the broker `url` into the
-/// fixture's ledger, until the broker is idle for 3 s, with `extra` flags.
+/// fixture's ledger, until the broker is idle (see [`idle_exit_for`]), with
+/// `extra` flags.
 #[cfg(all(
     feature = "sqlite",
     any(
@@ -1383,7 +1384,7 @@ fn consume_broker(fx: &Fixture, url: &str, extra: &[&str]) -> Run {
         "--key",
         "json:/payment_id",
         "--idle-exit",
-        "3s",
+        idle_exit_for(url),
         "--init-sql",
         CREATE_LEDGER,
         "--apply-sql",
@@ -1391,6 +1392,29 @@ fn consume_broker(fx: &Fixture, url: &str, extra: &[&str]) -> Run {
     ];
     args.extend_from_slice(extra);
     fx.run(&args)
+}
+
+/// The `--idle-exit` of a consumer of `url`: the idle clock runs from the
+/// start, so on Kafka and RocketMQ it must also cover joining the group and
+/// the first rebalance on a loaded machine (as `scripts/chaos.sh` does).
+#[cfg(all(
+    feature = "sqlite",
+    any(
+        feature = "amqp",
+        feature = "kafka",
+        feature = "sqs",
+        feature = "nats",
+        feature = "redis-streams",
+        feature = "mqtt",
+        feature = "rocketmq"
+    )
+))]
+fn idle_exit_for(url: &str) -> &'static str {
+    if url.starts_with("kafka://") || url.starts_with("rocketmq://") {
+        "15s"
+    } else {
+        "3s"
+    }
 }
 
 /// [`broker_round_trip`] for a broker that keeps the order of one key's
@@ -1475,7 +1499,7 @@ async fn rabbitmq_produce_and_consume() {
 async fn kafka_produce_and_consume() {
     let topic = format!("cli_{}", unique_suffix());
     broker_round_trip(&format!(
-        "kafka://127.0.0.1:9092/{topic}?group=cli&create_partitions=3"
+        "kafka://127.0.0.1:9092/{topic}?group={topic}&create_partitions=3"
     ))
     .await;
 }
@@ -1733,7 +1757,7 @@ async fn sigterm_mid_stream(url: &str, mqtt_session: bool) {
 async fn kafka_sigterm_mid_stream_loses_and_doubles_nothing() {
     let topic = format!("cli_{}", unique_suffix());
     sigterm_mid_stream(
-        &format!("kafka://127.0.0.1:9092/{topic}?group=cli&create_partitions=3"),
+        &format!("kafka://127.0.0.1:9092/{topic}?group={topic}&create_partitions=3"),
         false,
     )
     .await;

@@ -50,7 +50,10 @@ fn lag_partitions(source: &str, group: &str, topic: &str) -> String {
 /// a time with a slow effect, and scrapes `/metrics` every 200 ms until the
 /// consumer exits (idle for 8 s) or [`DEADLINE`] passes. Returns the values
 /// seen of the series that start with `lag_series` (summed), each change
-/// once. Fails unless every message was processed.
+/// once. Fails unless every message was processed. Each URL reads the lag
+/// every second (`lag_interval=1s`), so several reads fall between the last
+/// ack and the idle exit; `--http-linger` keeps the ended run serving until a
+/// scrape has read its final values.
 fn lags_while_consuming(url: &str, lag_series: &str) -> Vec<f64> {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("in.jsonl");
@@ -73,6 +76,9 @@ fn lags_while_consuming(url: &str, lag_series: &str) -> Vec<f64> {
         .args(["--key", "json:/id", "--concurrency", "1"])
         .args(["--apply-exec", "sleep 0.03", "--idle-exit", "8s"])
         .args(["--http-addr", &format!("127.0.0.1:{port}")])
+        // The run that ended keeps serving until a scrape has read its final
+        // values: the last value seen is the one at the end of the run.
+        .args(["--http-linger", "60s"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -113,7 +119,7 @@ fn assert_lag_moved_and_drained(seen: &[f64], slack: usize) {
 fn nats_consumer_lag_is_exported() {
     let name = unique("lag");
     let url = format!(
-        "nats://127.0.0.1:4222/{name}/{name}_c?subject={name}.lag&create=true&ack_wait=5s&wait=1s"
+        "nats://127.0.0.1:4222/{name}/{name}_c?subject={name}.lag&create=true&ack_wait=5s&wait=1s&lag_interval=1s"
     );
     let seen = lags_while_consuming(&url, &lag_series("nats", &format!("{name}_c"), &name));
     assert_lag_moved_and_drained(&seen, 0);
@@ -124,7 +130,7 @@ fn nats_consumer_lag_is_exported() {
 #[test]
 fn redis_stream_group_lag_is_exported() {
     let name = unique("lag");
-    let url = format!("redis-stream://127.0.0.1:6379/{name}?group={name}_g");
+    let url = format!("redis-stream://127.0.0.1:6379/{name}?group={name}_g&lag_interval=1s");
     let seen = lags_while_consuming(
         &url,
         &lag_series("redis-stream", &format!("{name}_g"), &name),
@@ -137,7 +143,7 @@ fn redis_stream_group_lag_is_exported() {
 #[test]
 fn rabbitmq_queue_depth_is_exported() {
     let name = unique("lag");
-    let url = format!("amqp://guest:guest@127.0.0.1:5672/%2f?queue={name}");
+    let url = format!("amqp://guest:guest@127.0.0.1:5672/%2f?queue={name}&lag_interval=1s");
     let seen = lags_while_consuming(&url, &lag_series("amqp", "", &name));
     assert_lag_moved_and_drained(&seen, 0);
 }
@@ -151,7 +157,7 @@ fn rabbitmq_queue_depth_is_exported() {
 fn sqs_queue_backlog_is_exported() {
     let name = unique("lag");
     let url = format!(
-        "sqs://{name}?endpoint=http://127.0.0.1:5000&region=us-east-1&create=true&wait=1&visibility=5"
+        "sqs://{name}?endpoint=http://127.0.0.1:5000&region=us-east-1&create=true&wait=1&visibility=5&lag_interval=1s"
     );
     let seen = lags_while_consuming(&url, &lag_series("sqs", "", &name));
     assert_lag_moved_and_drained(&seen, 10);
@@ -163,7 +169,7 @@ fn sqs_queue_backlog_is_exported() {
 #[test]
 fn rocketmq_consumer_lag_is_exported() {
     let name = unique("lag");
-    let url = format!("rocketmq://127.0.0.1:9876/{name}?group={name}_g");
+    let url = format!("rocketmq://127.0.0.1:9876/{name}?group={name}_g&lag_interval=1s");
     let seen = lags_while_consuming(
         &url,
         &lag_partitions("rocketmq", &format!("{name}_g"), &name),

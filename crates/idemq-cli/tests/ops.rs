@@ -373,6 +373,9 @@ fn kafka_consumer_lag_is_exported() {
     let dir = tempfile::tempdir().unwrap();
     let run = format!("{}_{}", std::process::id(), free_port());
     let url = format!("kafka://127.0.0.1:9092/lag_{run}?group=lag_{run}&create_partitions=1");
+    // librdkafka's statistics every second (not 5 s): several reports fall
+    // between the last commit and the idle exit 8 s later.
+    let consume_url = format!("{url}&statistics.interval.ms=1000");
     let input = dir.path().join("in.jsonl");
     let lines: String = (0..300)
         .map(|n| format!("{{\"id\":\"m-{n}\"}}\n"))
@@ -388,10 +391,20 @@ fn kafka_consumer_lag_is_exported() {
     assert!(produced.status.success(), "{produced:#?}");
     let port = free_port();
     let mut child = idemq()
-        .args(["--store", &store, "consume", &url, "--consumer", "lag"])
+        .args([
+            "--store",
+            &store,
+            "consume",
+            &consume_url,
+            "--consumer",
+            "lag",
+        ])
         .args(["--key", "json:/id", "--concurrency", "1"])
         .args(["--apply-exec", "sleep 0.03", "--idle-exit", "8s"])
         .args(["--http-addr", &format!("127.0.0.1:{port}")])
+        // The run that ended keeps serving until a scrape has read its final
+        // values: the last value seen is the one at the end of the run.
+        .args(["--http-linger", "60s"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()

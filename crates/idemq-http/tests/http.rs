@@ -263,7 +263,26 @@ impl Default for Options {
     }
 }
 
-/// The handler: sleeps for `x-sleep-ms`, writes the effect through the
+/// The stored keys whose handler has started in this process.
+fn started() -> &'static std::sync::Mutex<std::collections::HashSet<String>> {
+    static STARTED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<String>>> =
+        std::sync::OnceLock::new();
+    STARTED.get_or_init(Default::default)
+}
+
+/// Waits (30 s at most) until the handler of `stored_key` has started.
+async fn handler_started(stored_key: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !started().lock().unwrap().contains(stored_key) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the handler of {stored_key} never started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The handler: records that it started, sleeps for `x-sleep-ms`, writes the effect through the
 /// claim, "crashes" (prints `WORKED`, then hangs until killed) with
 /// `x-crash`, answers `x-status` (default 201) with a fresh order id, a
 /// `Location`, a custom header and a cookie (which is not stored).
@@ -280,6 +299,7 @@ async fn create_order<Tx: Effect>(
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned)
     };
+    started().lock().unwrap().insert(info.stored_key.clone());
     if let Some(ms) = header("x-sleep-ms").and_then(|v| v.parse().ok()) {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
@@ -711,14 +731,14 @@ async fn statuses_replay_and_expiry(kind: Kind, dir: &Path) {
                 "/orders",
                 Some(&key),
                 body,
-                &[("x-sleep-ms", "500"), ("x-status", "202")],
+                &[("x-sleep-ms", "3000"), ("x-status", "202")],
             )
             .await
             .unwrap()
         })
     };
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    // 409 while the first is in flight.
+    handler_started(&stored_key).await;
+    // 409 while the first is in flight (its handler sleeps 3 s).
     let busy = send(&client, addr, "/orders", Some(&key), body, &[])
         .await
         .unwrap();

@@ -506,8 +506,16 @@ async fn a_consumer_killed_mid_handler_loses_nothing(id: &str) {
     })
     .await;
     run.kill().await;
-    // Let a commit that was under way at the kill land.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A commit under way at the kill has landed or rolled back once the dead
+    // run's connections are back in the pool: the pool pings each one it
+    // takes back, which reads the answer to what was sent on it.
+    let pool = ledger.store.pool();
+    eventually(
+        PATIENCE,
+        "the killed run's connections back in the pool",
+        || async { pool.num_idle() == pool.size() as usize },
+    )
+    .await;
     let applied: BTreeSet<String> = ledger.rows().await.into_iter().map(|(k, _)| k).collect();
     let started = plan.calls.load(Ordering::SeqCst) as usize;
     let name = bench.broker.name;

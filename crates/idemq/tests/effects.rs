@@ -61,6 +61,11 @@ impl Script {
     fn first_time(&self, key: &str) -> bool {
         self.tripped.lock().unwrap().insert(key.to_owned())
     }
+
+    /// Whether `key`'s handler has reached its scripted step.
+    fn reached(&self, key: &str) -> bool {
+        self.tripped.lock().unwrap().contains(key)
+    }
 }
 
 /// Writes (consumer, key, charge id) through the claim's transaction or lease.
@@ -212,7 +217,11 @@ async fn crash_after_effect<E: Env>(env: &E) {
         support::wait_until(Duration::from_secs(10), || provider.calls() == 1).await,
         "the handler never charged"
     );
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The handler hangs only after the effect's result is journaled.
+    assert!(
+        support::wait_until(Duration::from_secs(10), || script.reached("p-2")).await,
+        "the handler never reached its hang"
+    );
     run.abort();
     assert!(run.await.unwrap_err().is_cancelled());
     assert!(outcomes.lock().unwrap().is_empty(), "nothing was settled");

@@ -49,8 +49,10 @@ fn consumer_over<S: Store>(
     (consumer, calls)
 }
 
-/// Processes two copies of one message, the second 50 ms after the first.
-async fn two_copies<S: Store>(consumer: &Consumer<S>) -> (Outcome, Outcome) {
+/// Processes two copies of one message, the second once the first one's
+/// handler has started (so the first holds the key: the handlers below
+/// sleep for seconds, a wide window also on a loaded machine).
+async fn two_copies<S: Store>(consumer: &Consumer<S>, calls: &AtomicU32) -> (Outcome, Outcome) {
     let queue = MemoryQueue::new("q");
     let msg = Message::new(r#"{"id":"k-1","amount":7}"#);
     queue.push(msg.clone());
@@ -60,7 +62,14 @@ async fn two_copies<S: Store>(consumer: &Consumer<S>) -> (Outcome, Outcome) {
     let second = source.next().await.unwrap().unwrap();
     let a = consumer.clone();
     let first = tokio::spawn(async move { a.process(first).await });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while calls.load(Ordering::SeqCst) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first copy's handler never started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let second = consumer.process(second).await;
     (first.await.unwrap(), second)
 }
@@ -68,8 +77,8 @@ async fn two_copies<S: Store>(consumer: &Consumer<S>) -> (Outcome, Outcome) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_returns_the_first_copys_stored_result() {
     let policy = InFlightPolicy::wait(Duration::from_secs(5));
-    let (consumer, calls) = consumer(policy, Duration::from_millis(300), Duration::from_secs(30));
-    let (first, second) = two_copies(&consumer).await;
+    let (consumer, calls) = consumer(policy, Duration::from_secs(2), Duration::from_secs(30));
+    let (first, second) = two_copies(&consumer, &calls).await;
     assert!(matches!(first, Outcome::Processed { .. }), "{first:?}");
     match second {
         Outcome::Duplicate { record } => {
@@ -84,10 +93,10 @@ async fn wait_returns_the_first_copys_stored_result() {
 async fn reject_retries_the_duplicate_later() {
     let (consumer, calls) = consumer(
         InFlightPolicy::Reject,
-        Duration::from_millis(300),
+        Duration::from_secs(2),
         Duration::from_secs(30),
     );
-    let (first, second) = two_copies(&consumer).await;
+    let (first, second) = two_copies(&consumer, &calls).await;
     assert!(matches!(first, Outcome::Processed { .. }), "{first:?}");
     match second {
         Outcome::RetryLater { attempts, .. } => assert_eq!(attempts, 0),
@@ -99,14 +108,11 @@ async fn reject_retries_the_duplicate_later() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_takes_over_when_the_holders_lease_expires() {
     // The first copy outlives its 200 ms lease: the waiting copy takes the
-    // key over, and the stale first holder's completion is refused.
+    // key over, and the stale first holder's completion is refused. The
+    // handler's 3 s leave the second copy time to take over first.
     let policy = InFlightPolicy::wait(Duration::from_secs(5));
-    let (consumer, calls) = consumer(
-        policy,
-        Duration::from_millis(600),
-        Duration::from_millis(200),
-    );
-    let (first, second) = two_copies(&consumer).await;
+    let (consumer, calls) = consumer(policy, Duration::from_secs(3), Duration::from_millis(200));
+    let (first, second) = two_copies(&consumer, &calls).await;
     assert!(matches!(second, Outcome::Processed { .. }), "{second:?}");
     assert!(
         matches!(first, Outcome::RetryLater { .. }),
@@ -149,10 +155,10 @@ mod redis {
         let (consumer, calls) = consumer_over(
             store().await,
             policy,
-            Duration::from_millis(300),
+            Duration::from_secs(2),
             Duration::from_secs(30),
         );
-        let (first, second) = two_copies(&consumer).await;
+        let (first, second) = two_copies(&consumer, &calls).await;
         assert!(matches!(first, Outcome::Processed { .. }), "{first:?}");
         match second {
             Outcome::Duplicate { record } => {
@@ -168,10 +174,10 @@ mod redis {
         let (consumer, calls) = consumer_over(
             store().await,
             InFlightPolicy::Reject,
-            Duration::from_millis(300),
+            Duration::from_secs(2),
             Duration::from_secs(30),
         );
-        let (first, second) = two_copies(&consumer).await;
+        let (first, second) = two_copies(&consumer, &calls).await;
         assert!(matches!(first, Outcome::Processed { .. }), "{first:?}");
         assert!(
             matches!(second, Outcome::RetryLater { attempts: 0, .. }),

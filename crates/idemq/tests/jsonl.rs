@@ -135,7 +135,26 @@ async fn a_run_killed_halfway_continues_from_its_checkpoint() {
         .unwrap();
     let first = consumer(&store, Some(gate));
     let run = tokio::spawn(async move { first.run(source).await });
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Wait (bounded) until both effects are in and a checkpoint is saved;
+    // the gate keeps the third handler call from ever finishing. The ledger
+    // is read on a connection of its own: the held third call keeps the
+    // store's connection.
+    let reader = SqliteStore::connect(&format!(
+        "sqlite://{}",
+        file.with_file_name("t.db").display()
+    ))
+    .await
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while ledger(&reader).await.len() < 2
+        || !std::fs::read_to_string(&checkpoint).is_ok_and(|saved| saved.contains("\"line\""))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "two effects and a checkpoint within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     run.abort();
     let _ = run.await;
     assert_eq!(ledger(&store).await.len(), 2, "killed after two effects");

@@ -20,7 +20,7 @@
 
 mod support;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +28,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures_util::future::BoxFuture;
 use idemq::engine::WatermarkOptions;
-use idemq::source::kafka::{create_topic, KafkaConfig, KafkaPublisher, KafkaSource};
+use idemq::source::kafka::{create_topic, KafkaConfig, KafkaCounters, KafkaPublisher, KafkaSource};
 use idemq::source::{Delivery, Source};
 use idemq::store::sql::{SqlOptions, Tables};
 use idemq::store::unit::{
@@ -395,6 +395,88 @@ impl Source for NoSeek {
     }
 }
 
+/// Hands out at most `quota` deliveries of each partition until `open`
+/// holds; every further one it keeps, unsettled (still in flight for the
+/// source), and hands out first once `open` holds, or [`GATE`] after it
+/// began keeping. The first member of a rebalance test then cannot finish
+/// its records before the second member has partitions, and it crosses the
+/// rebalance with deliveries in flight.
+struct Gated<S> {
+    inner: S,
+    quota: usize,
+    open: Box<dyn Fn() -> bool + Send + Sync>,
+    given: HashMap<i32, usize>,
+    kept: VecDeque<Delivery>,
+    until: Option<tokio::time::Instant>,
+}
+
+/// How long [`Gated`] keeps deliveries at most (the assertions then decide).
+const GATE: Duration = Duration::from_secs(60);
+
+impl<S> Gated<S> {
+    fn new(inner: S, quota: usize, open: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        Self {
+            inner,
+            quota,
+            open: Box::new(open),
+            given: HashMap::new(),
+            kept: VecDeque::new(),
+            until: None,
+        }
+    }
+}
+
+#[async_trait]
+impl<S: Source> Source for Gated<S> {
+    async fn next(&mut self) -> Result<Option<Delivery>, SourceError> {
+        loop {
+            let expired = self
+                .until
+                .is_some_and(|until| tokio::time::Instant::now() >= until);
+            if (self.open)() || expired {
+                if let Some(kept) = self.kept.pop_front() {
+                    return Ok(Some(kept));
+                }
+                return self.inner.next().await;
+            }
+            // The Kafka source's `next` is cancel-safe: look at the gate
+            // again every 50 ms.
+            let Ok(next) = tokio::time::timeout(Duration::from_millis(50), self.inner.next()).await
+            else {
+                continue;
+            };
+            let Some(delivery) = next? else {
+                return Ok(None);
+            };
+            let given = self
+                .given
+                .entry(delivery.meta.partition.unwrap_or(-1))
+                .or_default();
+            if *given < self.quota {
+                *given += 1;
+                return Ok(Some(delivery));
+            }
+            if self.until.is_none() {
+                self.until = Some(tokio::time::Instant::now() + GATE);
+            }
+            self.kept.push_back(delivery);
+        }
+    }
+
+    // A wrapper forwards what the engine tells the source (see `Source`).
+    async fn close(&mut self) {
+        self.inner.close().await
+    }
+
+    async fn resume_from(&mut self, lookup: Arc<dyn idemq::source::OffsetLookup>) {
+        self.inner.resume_from(lookup).await
+    }
+
+    fn settle_out_of_order(&mut self, per_partition: usize) {
+        self.inner.settle_out_of_order(per_partition)
+    }
+}
+
 /// Runs until `outcomes` deliveries were settled (or 60 s), then stops.
 async fn run_for<S: WatermarkStore>(
     consumer: &Consumer<S>,
@@ -703,8 +785,6 @@ async fn first_claims_of_many_partitions_at_once<B: Backend>() {
 async fn a_rebalance_with_messages_in_flight<B: Backend>(options: WatermarkOptions) {
     let ledger = Ledger::<B>::new().await;
     let topic = new_topic().await;
-    // Enough work that the first member is still busy when the rebalance
-    // that lets the second one in is done.
     const RECORDS: usize = 120;
     let (messages, _) = payments(RECORDS, serde_json::json!({ "sleep_ms": 150 }));
     publish(&topic, &messages).await;
@@ -714,8 +794,22 @@ async fn a_rebalance_with_messages_in_flight<B: Backend>(options: WatermarkOptio
     let build = || seen.build(ledger.consumer("wm-group", &plan));
     let (a, b) = (build(), build());
     let stop = Arc::new(tokio::sync::Notify::new());
+    // The first member applies at most 4 records of each partition until the
+    // second one is assigned partitions (a condition, not a race between the
+    // group join and the first member's pace): whatever it is given, records
+    // are left to it, and the first member's kept deliveries are in flight
+    // when its partitions are revoked.
+    let b_assigned: Arc<std::sync::OnceLock<Arc<KafkaCounters>>> = Arc::default();
     let first = source(&topic, &group).await;
     let a_counters = first.counters();
+    let first = Gated::new(first, 4, {
+        let b_assigned = Arc::clone(&b_assigned);
+        move || {
+            b_assigned
+                .get()
+                .is_some_and(|b| b.positioned_at_assignment() >= 1)
+        }
+    });
     let run_a = tokio::spawn({
         let stop = Arc::clone(&stop);
         async move {
@@ -753,6 +847,7 @@ async fn a_rebalance_with_messages_in_flight<B: Backend>(options: WatermarkOptio
     );
     let second = source(&topic, &group).await;
     let b_counters = second.counters();
+    let _ = b_assigned.set(Arc::clone(&b_counters));
     let run_b = tokio::spawn({
         let stop = Arc::clone(&stop);
         async move {
@@ -764,8 +859,8 @@ async fn a_rebalance_with_messages_in_flight<B: Backend>(options: WatermarkOptio
         .wait_for(Duration::from_secs(90), |rows| rows.len() >= RECORDS)
         .await;
     assert_eq!(rows.len(), RECORDS, "lost records");
-    // Let redeliveries of revoked partitions arrive and be answered.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Redeliveries still on their way are answered (or left to the next
+    // member) by the graceful stop; nothing below depends on them.
     stop.notify_waiters();
     let (sa, sb) = (run_a.await.unwrap().unwrap(), run_b.await.unwrap().unwrap());
     assert!(

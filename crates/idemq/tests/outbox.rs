@@ -471,12 +471,12 @@ async fn a_failed_publish_is_retried_in_order<DB: OutboxDatabase>(
     }
     let probe = Probe::new(&stream).await;
     probe.fail_next.store(2, Ordering::SeqCst);
-    let relay = Relay::new(
-        pool.clone(),
-        outbox.clone(),
-        Arc::new(probe),
-        options("retry"),
-    );
+    // A backoff long enough that the second pass below surely comes before
+    // it ends, also on a loaded machine (50 ms did not always).
+    let mut retry_options = options("retry");
+    retry_options.initial_backoff = Duration::from_secs(2);
+    retry_options.max_backoff = Duration::from_secs(2);
+    let relay = Relay::new(pool.clone(), outbox.clone(), Arc::new(probe), retry_options);
     let first = relay.relay_once().await.unwrap();
     assert!(first.failed && first.published == 0, "{first:?}");
     // The failed head blocks its key until the backoff has passed.
@@ -491,7 +491,7 @@ async fn a_failed_publish_is_retried_in_order<DB: OutboxDatabase>(
         let relay = relay.clone();
         async move { relay.run(shutdown()).await }
     });
-    let drained = wait_until(Duration::from_secs(10), || {
+    let drained = wait_until(Duration::from_secs(30), || {
         let (outbox, pool) = (outbox.clone(), pool.clone());
         async move { outbox.pending(&pool).await.unwrap() == 0 }
     })

@@ -8,7 +8,7 @@
 //! fencing of a stale batch holder, and keys in flight elsewhere.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -92,6 +92,15 @@ fn retry() -> RetryPolicy {
 
 fn batches(max_size: usize) -> BatchOptions {
     BatchOptions::new(max_size, Duration::from_millis(5))
+}
+
+/// Batches of `n`, for a test that queues exactly `n` messages and needs
+/// them in one batch: the batch closes when its `n`-th member arrives (or the
+/// source ends), never on the wait, however slowly the run loop hands the
+/// members over. (With [`batches`], 5 ms after the first member, a loaded
+/// machine can split them: the engine promises no more.)
+fn one_batch(n: usize) -> BatchOptions {
+    BatchOptions::new(n, Duration::from_secs(60))
 }
 
 fn payment(key: &str, amount: i64, extra: serde_json::Value) -> Message {
@@ -375,7 +384,7 @@ async fn a_crash_before_the_completion_releases_the_batch_and_effects_stay_once(
     let queue = queue_of(["x", "y", "h", "z"].map(|k| payment(k, 1, none.clone())));
     let first = build();
     let source = queue.source();
-    let crashed = tokio::spawn(async move { first.run_batched(source, batches(10)).await });
+    let crashed = tokio::spawn(async move { first.run_batched(source, one_batch(4)).await });
     // The keys before h ran, h hangs: the batch holds four leases, none
     // completed.
     let started = Instant::now();
@@ -405,7 +414,7 @@ async fn a_crash_before_the_completion_releases_the_batch_and_effects_stay_once(
     for key in ["x", "y", "h", "z"] {
         while report(&store, key).await.in_flight {
             assert!(
-                released.elapsed() < Duration::from_secs(3),
+                released.elapsed() < Duration::from_secs(10),
                 "{key} released"
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -414,7 +423,7 @@ async fn a_crash_before_the_completion_releases_the_batch_and_effects_stay_once(
     let second = build();
     let summary = tokio::time::timeout(
         Duration::from_secs(10),
-        second.run_batched(queue.source(), batches(10)),
+        second.run_batched(queue.source(), one_batch(4)),
     )
     .await
     .unwrap()
@@ -499,16 +508,18 @@ async fn a_crash_after_the_completion_makes_the_redeliveries_duplicates() {
         hold: 5,
     };
     let crashed = tokio::spawn(async move { first.run_batched(source, batches(10)).await });
-    // The batch completed in Redis; its acks never finish; the worker dies.
+    // Every key completed in Redis (in however many batches the run loop
+    // formed); the acks never finish; the worker dies.
     let started = Instant::now();
-    while report(&store, "k4").await.inbox.is_none() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "never completed"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    for i in 0..5 {
+        while report(&store, &format!("k{i}")).await.inbox.is_none() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "k{i} never completed"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
-    tokio::time::sleep(Duration::from_millis(50)).await;
     crashed.abort();
     let _ = crashed.await;
     assert_eq!(queue.acked(), 0);
@@ -545,13 +556,19 @@ async fn the_batch_heartbeat_keeps_every_lease_of_a_slow_batch() {
     let lease = Duration::from_millis(300);
     let consumer = consumer(&store, &effects).lease(lease).build().unwrap();
     let source = queue.source();
-    let running = tokio::spawn(async move { consumer.run_batched(source, batches(10)).await });
+    let running = tokio::spawn(async move { consumer.run_batched(source, one_batch(3)).await });
+    let started = Instant::now();
     while !report(&store, "s1").await.in_flight {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "s1 never claimed"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    // For five lease periods, a competitor finds every key of the batch in
-    // flight (s3's handler starts after a second), then done.
-    let mut busy = 0;
+    // For five lease periods (three handlers of 500 ms, one after the other
+    // in the one batch), a competitor finds every key of the batch in flight
+    // (s3's handler starts after a second), then done.
+    let (mut first_busy, mut last_busy) = (None, None);
     for key in ["s3", "s2", "s1"] {
         let req = ClaimRequest {
             consumer: "ledger",
@@ -561,7 +578,13 @@ async fn the_batch_heartbeat_keeps_every_lease_of_a_slow_batch() {
         };
         loop {
             match store.claim(&req).await.unwrap() {
-                Claim::InFlight => busy += 1,
+                Claim::InFlight => {
+                    let now = Instant::now();
+                    if first_busy.is_none() {
+                        first_busy = Some(now);
+                    }
+                    last_busy = Some(now);
+                }
                 Claim::New(stolen) => {
                     store.rollback(stolen).await.unwrap();
                     panic!("{key}'s lease was taken over while its batch ran");
@@ -571,7 +594,14 @@ async fn the_batch_heartbeat_keeps_every_lease_of_a_slow_batch() {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
     }
-    assert!(busy >= 40, "claims seen in flight: {busy}");
+    // Seen in flight for more than three lease periods: the heartbeat
+    // renewed the leases (a time span, not a count of claims, which a slow
+    // Redis round trip would shrink).
+    let busy = match (first_busy, last_busy) {
+        (Some(first), Some(last)) => last - first,
+        _ => Duration::ZERO,
+    };
+    assert!(busy > lease * 3, "in flight for {busy:?} only");
     let summary = running.await.unwrap().unwrap();
     assert_eq!(summary.count(OutcomeKind::Processed), 3, "{summary}");
     assert!(effects.applied().values().all(|f| f.len() == 1));
@@ -615,6 +645,8 @@ async fn a_stale_batch_holder_is_fenced_off() {
     // Batch A claims k1 and k2, then its process stalls (its runtime thread
     // is blocked, so the heartbeat cannot run) for longer than the lease.
     let (tx, rx) = std::sync::mpsc::channel::<Vec<u64>>();
+    // The stall lasts until B has taken k1 over (a condition, not 900 ms).
+    let (wake, woken) = std::sync::mpsc::channel::<()>();
     let url = redis_url();
     let p = prefix.clone();
     let stale = std::thread::spawn(move || {
@@ -630,9 +662,17 @@ async fn a_stale_batch_holder_is_fenced_off() {
             assert_eq!(answers, [MemberAnswer::New, MemberAnswer::New]);
             let fences = (0..2).map(|n| a.tx(n).unwrap().fencing_token()).collect();
             tx.send(fences).unwrap();
-            std::thread::sleep(Duration::from_millis(900)); // the stall
-                                                            // Awake again: the heartbeat runs and finds k1 taken over.
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            // The stall: the thread blocks, so no heartbeat runs.
+            woken.recv().unwrap();
+            // Awake again: the heartbeat runs and finds k1 taken over.
+            let awake = Instant::now();
+            while !a.tx(0).unwrap().lease_lost() {
+                assert!(
+                    awake.elapsed() < Duration::from_secs(10),
+                    "no heartbeat ran"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
             let lost: Vec<bool> = (0..2).map(|n| a.tx(n).unwrap().lease_lost()).collect();
             let flags = a
                 .complete(&claims, &completions(&[0, 1], None))
@@ -642,7 +682,17 @@ async fn a_stale_batch_holder_is_fenced_off() {
         })
     });
     let fences_a = rx.recv().unwrap();
-    tokio::time::sleep(Duration::from_millis(450)).await;
+    // Both of A's leases run out while its thread is stalled.
+    let stalled = Instant::now();
+    for key in ["k1", "k2"] {
+        while store.inspect("ledger", key).await.unwrap().in_flight {
+            assert!(
+                stalled.elapsed() < Duration::from_secs(10),
+                "{key}'s lease never ran out"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
     // B takes k1 over after A's lease expired, with a higher fencing number.
     let mut b = unit(&store, lease);
     let claims = [req("k1", lease)];
@@ -659,6 +709,7 @@ async fn a_stale_batch_holder_is_fenced_off() {
         .await
         .unwrap();
     assert_eq!(flags, [true]);
+    wake.send(()).unwrap();
 
     // Both of A's leases expired during the stall. k1 was taken over: the
     // heartbeat reports it lost and A's completion of it is refused. Nobody
@@ -720,8 +771,37 @@ async fn keys_in_flight_elsewhere_follow_the_in_flight_policy() {
     queue.push(payment("free", 1, none.clone()));
     queue.push(payment("held", 2, none.clone()));
     queue.close();
-    let rejecting = consumer(&store, &effects).build().unwrap();
-    let stop = tokio::time::sleep(Duration::from_millis(300));
+    // Runs until "free" is processed and "held" was answered retry-later at
+    // least once (a condition, not a time: a loaded machine may need longer).
+    let seen = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
+    let rejecting = consumer(&store, &effects)
+        .on_outcome({
+            let seen = Arc::clone(&seen);
+            move |outcome| match outcome.kind() {
+                OutcomeKind::Processed => {
+                    seen.0.fetch_add(1, Ordering::SeqCst);
+                }
+                OutcomeKind::RetryLater => {
+                    seen.1.fetch_add(1, Ordering::SeqCst);
+                }
+                _ => {}
+            }
+        })
+        .build()
+        .unwrap();
+    let stop = {
+        let seen = Arc::clone(&seen);
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while seen.0.load(Ordering::SeqCst) < 1 || seen.1.load(Ordering::SeqCst) < 1 {
+                assert!(
+                    Instant::now() < deadline,
+                    "no outcome for both keys in 30 s"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
     let summary = rejecting
         .run_batched_until(queue.source(), batches(10), stop)
         .await

@@ -127,6 +127,31 @@ fn options(max_size: usize) -> BatchOptions {
     BatchOptions::new(max_size, Duration::from_millis(5))
 }
 
+/// Counts the deliveries `inner` hands out.
+struct Counting<S> {
+    inner: S,
+    handed: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl<S: idemq::source::Source> idemq::source::Source for Counting<S> {
+    async fn next(&mut self) -> Result<Option<idemq::source::Delivery>, idemq::SourceError> {
+        let delivery = self.inner.next().await?;
+        if delivery.is_some() {
+            self.handed.fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(delivery)
+    }
+}
+
+/// Batches of `n`, for a test that queues `n` new keys and needs them in
+/// one batch: the batch closes when its `n`-th member arrives (or the source
+/// ends), never on the wait. (With [`options`], 5 ms after the first member,
+/// a loaded machine can split them: the engine promises no more.)
+fn one_batch(n: usize) -> BatchOptions {
+    BatchOptions::new(n, Duration::from_secs(60))
+}
+
 pub async fn exactly_once_with_duplicates_inside_and_across_batches<B: Backend>()
 where
     B::S: UnitStore,
@@ -157,7 +182,7 @@ where
         .collect();
     let (mut processed, mut duplicates, mut retried) = (0, 0, 0);
     for w in workers {
-        let summary = tokio::time::timeout(Duration::from_secs(120), w)
+        let summary = tokio::time::timeout(Duration::from_secs(300), w)
             .await
             .expect("workers finish")
             .unwrap()
@@ -266,7 +291,7 @@ where
     // The members before h (in the order the run loop formed the batch, not
     // necessarily x y h z) ran in the batch's transaction; h hangs; the
     // worker dies.
-    let crashed = tokio::spawn(async move { first.run_batched(source, options(10)).await });
+    let crashed = tokio::spawn(async move { first.run_batched(source, one_batch(4)).await });
     let started = std::time::Instant::now();
     while !plan.has_hung("h") {
         assert!(started.elapsed() < Duration::from_secs(10), "h never ran");
@@ -279,7 +304,7 @@ where
 
     let second = consumer(&backend, "ledger", &plan).build().unwrap();
     let summary = second
-        .run_batched(queue.source(), options(10))
+        .run_batched(queue.source(), one_batch(4))
         .await
         .unwrap();
     assert_eq!(summary.count(OutcomeKind::Processed), 4);
@@ -338,8 +363,29 @@ where
     let refused = Message::new(r#"{"k":"refused","amount":null}"#);
     let queue = queue_of([msg("a", 1), msg("b", 2), refused, msg("c", 3), msg("a", 1)]);
     let consumer = consumer(&backend, "ledger", &plan).build().unwrap();
+    // a, b, refused and c in one batch. The copy of a waits in its key lane
+    // for a's batch, then for a batch of its own to fill: the stop, once all
+    // five were handed out and the first four settled, closes it at once.
+    let handed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let source = Counting {
+        inner: queue.source(),
+        handed: Arc::clone(&handed),
+    };
+    let settled = {
+        let queue = queue.clone();
+        async move {
+            let started = std::time::Instant::now();
+            while handed.load(Ordering::SeqCst) < 5 || queue.acked() < 4 {
+                assert!(
+                    started.elapsed() < Duration::from_secs(30),
+                    "the first batch never settled"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
     let summary = consumer
-        .run_batched(queue.source(), options(10))
+        .run_batched_until(source, one_batch(4), settled)
         .await
         .unwrap();
     assert_eq!(summary.count(OutcomeKind::Processed), 3, "a, b, c");
@@ -367,12 +413,10 @@ where
     let plan = Arc::new(Plan::default());
     let queue = queue_of((0..40).map(|i| msg(&format!("k{i}"), i)));
     let consumer = consumer(&backend, "ledger", &plan).build().unwrap();
-    // A batch of 40 forms at once from the 40 queued messages.
+    // A batch of 40 forms from the 40 queued messages (it closes at its 40th
+    // member, not on the wait).
     let summary = consumer
-        .run_batched(
-            queue.source(),
-            BatchOptions::new(40, Duration::from_secs(5)),
-        )
+        .run_batched(queue.source(), one_batch(40))
         .await
         .unwrap();
     assert_eq!(summary.count(OutcomeKind::Processed), 40);
