@@ -22,8 +22,9 @@
 //!   comes back after the delay and not at once.
 //! - **Visibility extension**: from the moment a message is received until it
 //!   is settled (or its delivery is dropped), a background task extends its
-//!   visibility by the configured timeout every third of that timeout, so a
-//!   slow handler does not let a second consumer receive the same message.
+//!   visibility by the configured timeout every third of that timeout
+//!   (counted from when the previous request was sent), so a slow handler
+//!   does not let a second consumer receive the same message.
 //!   A delivery dropped unsettled (the consumer crashed or was cancelled)
 //!   stops being extended and comes back after the visibility timeout.
 //! - **Dead-letter**: with a dead-letter queue configured (`dlq=`), a copy is
@@ -37,7 +38,11 @@
 //!   the group is handed out only when the previous one is settled. Groups
 //!   run concurrently. When a message is nacked or dropped, the later
 //!   messages of its group that this source holds are made visible again at
-//!   once, so SQS delivers the group again in order.
+//!   once, so SQS delivers the group again in order. A nacked FIFO message
+//!   whose visibility may have run out while it was held (an extension that
+//!   came late, on a loaded machine) comes back at once instead of after its
+//!   delay: the queue may no longer count it as in flight, and its group's
+//!   later messages would otherwise pass it.
 //!
 //! # Message mapping
 //!
