@@ -584,14 +584,18 @@ async fn the_journal_keeps_a_steps_first_result_in_a_later_partition<DB: SqlData
 async fn concurrent_journal_writes_keep_one_result_per_step<DB: SqlDatabase>() {
     let (store, prefix) = partitioned::<DB>().await;
     let deadline = now_ms() + 2 * STEP_MS + 300;
+    // Steps written by the furthest writer: past the deadline the writers go
+    // on until more than 20 (60 s at most), also on a loaded machine.
+    let furthest = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut writers = Vec::new();
     for w in 0..8 {
-        let store = store.clone();
+        let (store, furthest) = (store.clone(), Arc::clone(&furthest));
         writers.push(tokio::spawn(async move {
             let journal = store.journal().expect("a journal");
             let mut answers = Vec::new();
             let mut n = 0;
-            while now_ms() < deadline {
+            let enough = || furthest.load(std::sync::atomic::Ordering::SeqCst) > 20;
+            while now_ms() < deadline || (!enough() && now_ms() < deadline + 60_000) {
                 let key = format!("order-{}", n / 4);
                 let step = format!("step-{}", n % 4);
                 let mine = serde_json::json!({ "writer": w });
@@ -604,6 +608,7 @@ async fn concurrent_journal_writes_keep_one_result_per_step<DB: SqlDatabase>() {
                 };
                 answers.push((key, step, stored));
                 n += 1;
+                furthest.fetch_max(n, std::sync::atomic::Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(fastrand::u64(0..4))).await;
             }
             answers
