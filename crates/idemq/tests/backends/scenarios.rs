@@ -147,6 +147,20 @@ fn recorder() -> (
     })
 }
 
+/// How many of the retries in `seen` counted an attempt (the handler
+/// failed). A retry that counts none (`attempts` 0) is one the engine may
+/// report on a loaded machine without the handler failing — a transient
+/// store error, or a redelivery that came back before its earlier attempt
+/// released the key's lane and was deferred behind it — so tests count the
+/// handler's failures with this, not all retries.
+fn counted_retries(seen: &Mutex<Vec<Outcome>>) -> u64 {
+    seen.lock()
+        .unwrap()
+        .iter()
+        .filter(|o| matches!(o, Outcome::RetryLater { attempts, .. } if *attempts > 0))
+        .count() as u64
+}
+
 async fn run<B: Backend>(builder: ConsumerBuilder<B::S>, queue: &MemoryQueue) -> Summary {
     let consumer = builder.build().expect("consumer");
     tokio::time::timeout(Duration::from_secs(300), consumer.run(queue.source()))
@@ -343,18 +357,19 @@ pub async fn a_message_dead_lettered_again_keeps_one_letter<B: Backend>() {
 pub async fn poison_messages_are_dead_lettered<B: Backend>() {
     let backend = B::fresh().await;
     let plan = Arc::new(Plan::default());
+    let (seen, hook) = recorder();
     let queue = queue_of([
         failing("poison", "retry"),
         failing("rejected", "permanent"),
         failing("buggy", "panic"),
         msg("fine", 2),
     ]);
-    let summary = run::<B>(consumer(&backend, "ledger", &plan), &queue).await;
+    let summary = run::<B>(consumer(&backend, "ledger", &plan).on_outcome(hook), &queue).await;
 
     assert_eq!(summary.count(OutcomeKind::Processed), 1);
     assert_eq!(summary.count(OutcomeKind::DeadLettered), 3);
     assert_eq!(
-        summary.count(OutcomeKind::RetryLater),
+        counted_retries(&seen),
         4,
         "2 retries each for poison and buggy"
     );
@@ -831,13 +846,15 @@ where
     let flaky = Message::new(r#"{"k":"flaky","amount":5,"fail":"retry","fail_times":2}"#);
     let stubborn = Message::new(r#"{"k":"stubborn","amount":7,"fail":"retry","fail_times":4}"#);
     let queue = queue_of([flaky, stubborn, msg("steady", 1)]);
-    let builder =
-        consumer(&backend, "ledger", &plan).layer(RetryLayer::new(3, Duration::from_millis(1)));
+    let (seen, hook) = recorder();
+    let builder = consumer(&backend, "ledger", &plan)
+        .layer(RetryLayer::new(3, Duration::from_millis(1)))
+        .on_outcome(hook);
     let summary = run::<B>(builder, &queue).await;
 
     assert_eq!(summary.count(OutcomeKind::Processed), 3);
     assert_eq!(
-        summary.count(OutcomeKind::RetryLater),
+        counted_retries(&seen),
         1,
         "stubborn failed all 3 calls of its first delivery, then passed on the 2nd call of its second"
     );
@@ -948,7 +965,7 @@ pub async fn a_handler_past_its_timeout_is_rolled_back_and_retried<B: Backend>()
     let summary = run::<B>(builder, &queue).await;
 
     assert_eq!(summary.count(OutcomeKind::Processed), 2);
-    assert_eq!(summary.count(OutcomeKind::RetryLater), 1);
+    assert_eq!(counted_retries(&seen), 1);
     let timed_out = seen
         .lock()
         .unwrap()
