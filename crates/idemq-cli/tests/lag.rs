@@ -26,7 +26,7 @@ use common::{free_port, idemq, watch_series};
 /// Messages produced per test.
 const PRODUCED: usize = 300;
 /// How long one test may take before it fails with what it saw.
-const DEADLINE: Duration = Duration::from_secs(120);
+const DEADLINE: Duration = Duration::from_secs(300);
 
 /// A name no earlier run used.
 fn unique(prefix: &str) -> String {

@@ -51,8 +51,11 @@ fn url_for(id: &str) -> String {
             "kafka://127.0.0.1:9092/{run}?group={run}&create_partitions=3&session_timeout_ms=6000&heartbeat.interval.ms=500"
         ),
         "amqp" => format!("amqp://guest:guest@127.0.0.1:5672/%2f?queue={run}"),
+        // A 10 s visibility, extended every 3.3 s: a held message lapses
+        // only if an extension is 6.7 s late (with 3 s, a 2 s stall of moto
+        // on a loaded machine let another consumer receive one).
         "sqs" => format!(
-            "sqs://{run}?endpoint=http://127.0.0.1:5000&region=us-east-1&create=true&wait=1&visibility=3"
+            "sqs://{run}?endpoint=http://127.0.0.1:5000&region=us-east-1&create=true&wait=1&visibility=10"
         ),
         "nats" => format!(
             "nats://127.0.0.1:4222/{run}/{run}_c?subject={run}.orders&create=true&ack_wait=3s&wait=1s"
@@ -72,7 +75,7 @@ fn ordered_url_for(id: &str) -> String {
     match promises(id).order {
         // A FIFO queue: the record key is the message group.
         Order::OnFifoQueues if id == "sqs" => format!(
-            "sqs://{}.fifo?endpoint=http://127.0.0.1:5000&region=us-east-1&create=true&wait=1&visibility=3",
+            "sqs://{}.fifo?endpoint=http://127.0.0.1:5000&region=us-east-1&create=true&wait=1&visibility=10",
             support::unique("conf")
         ),
         Order::OnFifoQueues => panic!("no FIFO URL for broker {id}: add one to ordered_url_for"),
