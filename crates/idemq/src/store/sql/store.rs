@@ -206,10 +206,10 @@ impl<DB: SqlDatabase> SqlStore<DB> {
     }
 
     /// Creates the partitions ahead (of the inbox and the journal) when that
-    /// is due.
+    /// is due and no other claim of this store is doing it.
     async fn keep_partitions_ahead(&self) {
         let now = now_ms();
-        if self.parts.upkeep.due(now) {
+        if self.parts.upkeep.begin(now) {
             match self.parts.sql.ensure(&self.pool, now).await {
                 Ok((_, interval_ms)) => self.parts.upkeep.done(now, interval_ms),
                 Err(e) => {

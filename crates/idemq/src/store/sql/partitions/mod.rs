@@ -426,9 +426,27 @@ pub(super) struct Upkeep {
 }
 
 impl Upkeep {
-    /// Whether upkeep is due at `now_ms`.
-    pub(super) fn due(&self, now_ms: i64) -> bool {
-        now_ms >= self.next_ms.load(Ordering::Relaxed)
+    /// How long an upkeep begun may take before another caller may begin
+    /// one: longer than the maintenance lock's wait.
+    const IN_PROGRESS_MS: i64 = 15_000;
+
+    /// Whether upkeep is due at `now_ms` and this caller is the one to do
+    /// it: of the claims that find it due at once, one begins it (and ends
+    /// it with [`done`](Self::done)); the others go on to their claims
+    /// instead of queueing on the maintenance lock behind it, each on a
+    /// connection taken from the pool.
+    pub(super) fn begin(&self, now_ms: i64) -> bool {
+        let next = self.next_ms.load(Ordering::Relaxed);
+        now_ms >= next
+            && self
+                .next_ms
+                .compare_exchange(
+                    next,
+                    now_ms + Self::IN_PROGRESS_MS,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
     }
 
     /// Schedules the next upkeep after one done at `now_ms` over partitions
@@ -473,6 +491,22 @@ mod tests {
             missing_ranges(&[], 2500, 1000, 1),
             vec![(2000, 3000), (3000, 4000)]
         );
+    }
+
+    #[test]
+    fn one_of_the_callers_that_find_upkeep_due_begins_it() {
+        let upkeep = Upkeep::default();
+        assert!(upkeep.begin(1_000), "due at first");
+        assert!(!upkeep.begin(1_000), "begun: the others skip it");
+        assert!(!upkeep.begin(1_000 + Upkeep::IN_PROGRESS_MS - 1));
+        // Begun and never ended (its task dropped): due again later.
+        assert!(upkeep.begin(1_000 + Upkeep::IN_PROGRESS_MS));
+        upkeep.done(20_000, 2_000);
+        assert!(!upkeep.begin(20_499), "a quarter interval after it ended");
+        assert!(upkeep.begin(20_500));
+        assert!(!upkeep.begin(20_500));
+        upkeep.now();
+        assert!(upkeep.begin(20_501), "a claim found no partition: due now");
     }
 
     #[test]
