@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Debian's chromium and chromedriver, for the console's browser test
-# (crates/idemq-cli/tests/console.rs drives a headless chromium through
+# (crates/idemq-cli/tests/integration/console.rs drives a headless chromium through
 # WebDriver). Installed from Debian's packages when missing; idempotent.
 set -euo pipefail
 if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then

@@ -12,7 +12,7 @@
 #
 # State and logs: ${IDEMQ_TOOLS:-$HOME/.idemq-tools}/redis-cluster/<port>/.
 # The tests that use it (tests/redis_cluster.rs, the Redis Cluster suite of
-# tests/backends) read IDEMQ_TEST_REDIS_CLUSTER (default: the six nodes).
+# tests/integration/backends) read IDEMQ_TEST_REDIS_CLUSTER (default: the six nodes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib/daemon.sh

@@ -97,7 +97,7 @@ ready_postgres() {
   fi
   tls_client_cert "$PG_TLS" postgres "$PG_RUN" || return 1
   # Role idemq-client logs in only over TLS with a client certificate of the
-  # local CA whose CN is its name (tests/tls.rs); first in pg_hba.conf.
+  # local CA whose CN is its name (tests/integration/tls.rs); first in pg_hba.conf.
   if ! grep -q '^# idemq client certificate' "$PG_DATA/pg_hba.conf"; then
     local hba
     hba="$(cat "$PG_DATA/pg_hba.conf")"
@@ -155,7 +155,7 @@ CREATE USER IF NOT EXISTS 'root'@'127.0.0.1' IDENTIFIED BY '';
 GRANT ALL PRIVILEGES ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION;
 CREATE USER IF NOT EXISTS 'root'@'::1' IDENTIFIED BY '';
 GRANT ALL PRIVILEGES ON *.* TO 'root'@'::1' WITH GRANT OPTION;
--- Logs in only with a client certificate of the local CA (tests/tls.rs).
+-- Logs in only with a client certificate of the local CA (tests/integration/tls.rs).
 CREATE USER IF NOT EXISTS 'idemq-client'@'127.0.0.1' REQUIRE SUBJECT '/CN=idemq-client';
 GRANT ALL PRIVILEGES ON test.* TO 'idemq-client'@'127.0.0.1';
 FLUSH PRIVILEGES;

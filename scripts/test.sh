@@ -17,7 +17,7 @@
 # of its own; the doctests under `cargo test --doc`.
 #
 #   scripts/test.sh                  everything
-#   scripts/test.sh -E 'binary(kafka)'   some tests (nextest's filters);
+#   scripts/test.sh -E 'test(/^kafka::/)'   some tests (nextest's filters);
 #                                    doctests and chaos are then skipped
 # Run from anywhere.
 set -euo pipefail

@@ -11,6 +11,7 @@
 //! Each ends with payments published and consumed through the queue.
 #![cfg(feature = "sqs")]
 
+#[path = "integration/support.rs"]
 mod support;
 
 use std::time::Duration;

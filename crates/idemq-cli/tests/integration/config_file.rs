@@ -4,7 +4,7 @@
 //! `config check` hides secrets and rejects a bad file with exit 2.
 #![cfg(feature = "sqlite")]
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;

@@ -21,8 +21,8 @@ use fantoccini::{Client, ClientBuilder, Locator};
 use sqlx::sqlite::SqlitePoolOptions;
 use sqlx::Row;
 
-mod common;
-use common::{free_port, idemq, wait_listening};
+use crate::common;
+use crate::common::{free_port, idemq, wait_listening};
 
 /// A child process killed when the test ends, however it ends.
 struct Killed(Child);

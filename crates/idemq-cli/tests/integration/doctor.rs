@@ -8,8 +8,8 @@
 
 use std::process::Output;
 
-mod common;
-use common::{free_port, idemq};
+use crate::common;
+use crate::common::{free_port, idemq};
 
 /// A name no earlier run used.
 fn unique(prefix: &str) -> String {

@@ -20,8 +20,8 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-mod common;
-use common::{free_port, idemq, watch_series};
+use crate::common;
+use crate::common::{free_port, idemq, watch_series};
 
 /// Messages produced per test.
 const PRODUCED: usize = 300;

@@ -18,8 +18,8 @@ use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::Router;
 
-mod common;
-use common::{free_port, idemq, wait_listening};
+use crate::common;
+use crate::common::{free_port, idemq, wait_listening};
 
 /// What the upstream did: orders created, failures answered, reads served.
 #[derive(Default)]

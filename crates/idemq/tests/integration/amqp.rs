@@ -6,7 +6,7 @@
 //! mid-handler and competing consumers are in `conformance.rs`.
 #![cfg(all(feature = "amqp", feature = "postgres"))]
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -18,7 +18,7 @@ use idemq::DeadLetterReason;
 use idemq::{Message, OutcomeKind};
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use support::{
+use crate::support::{
     assert_dead_lettered, eventually, payment, start, workload, Deliveries, Ledger, Plan, Tally,
 };
 

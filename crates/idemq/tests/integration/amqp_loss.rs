@@ -9,7 +9,7 @@
 //! that cannot be reached skips the check instead of stopping the consumer.
 #![cfg(all(feature = "amqp", feature = "postgres"))]
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +21,7 @@ use idemq::{Message, SourceErrorKind};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use serde_json::json;
-use support::{eventually, payments, start, Ledger, Plan, Tally};
+use crate::support::{eventually, payments, start, Ledger, Plan, Tally};
 
 fn amqp_url() -> String {
     std::env::var("IDEMQ_TEST_AMQP")

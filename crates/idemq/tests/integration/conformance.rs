@@ -20,7 +20,7 @@
 #![cfg(feature = "postgres")]
 #![allow(dead_code)] // a build without brokers uses none of this
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
@@ -30,7 +30,7 @@ use std::time::Duration;
 use idemq::source::registry::{self, Broker};
 use idemq::source::{Publisher, Source};
 use idemq::{DeadLetterReason, Message, OutcomeKind};
-use support::{
+use crate::support::{
     assert_dead_lettered, eventually, payment, payments, start, workload, Deliveries, Ledger, Plan,
     Running, SwallowAcks, Tally,
 };

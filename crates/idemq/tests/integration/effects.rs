@@ -9,7 +9,7 @@
 //! the business row (in the claim's transaction on the SQL stores), then
 //! fail or hang as the payload asks.
 
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -20,7 +20,7 @@
 //! in (b) and (c) and for every duplicate; (a) costs exactly one extra
 //! charge, the documented limit.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;

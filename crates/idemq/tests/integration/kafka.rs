@@ -8,7 +8,7 @@
 //! and hot keys through a rebalance and a kill mid-flight. A consumer killed mid-handler is in `conformance.rs`.
 #![cfg(all(feature = "kafka", feature = "postgres"))]
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
@@ -28,7 +28,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Headers as _, Message as _};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
-use support::{payment, payments, Ledger, PgTx, Plan, Tally};
+use crate::support::{payment, payments, Ledger, PgTx, Plan, Tally};
 
 const BROKERS: &str = "127.0.0.1:9092";
 const PARTITIONS: i32 = 3;

@@ -7,7 +7,7 @@
 //! applied exactly once.
 #![cfg(all(feature = "kafka", feature = "postgres"))]
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -20,7 +20,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use support::{payment, payments, Ledger, Plan, Tally};
+use crate::support::{payment, payments, Ledger, Plan, Tally};
 
 const BROKERS: &str = "127.0.0.1:9092";
 

@@ -18,7 +18,7 @@
     any(feature = "postgres", feature = "mysql", feature = "sqlite")
 ))]
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
@@ -38,7 +38,7 @@ use idemq::store::{ClaimRequest, Store, StoreAdmin, UnitStore, WatermarkStore};
 use idemq::{
     Consumer, ConsumerBuilder, HandlerError, KeySpec, Message, OutcomeKind, SourceError, Summary,
 };
-use support::{payments, Plan, SwallowAcks, Tally};
+use crate::support::{payments, Plan, SwallowAcks, Tally};
 
 const BROKERS: &str = "127.0.0.1:9092";
 const PARTITIONS: i32 = 3;

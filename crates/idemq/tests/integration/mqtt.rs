@@ -1,13 +1,13 @@
 //! The MQTT source against a real broker (Mosquitto on 127.0.0.1:1883 by
 //! default, `IDEMQ_TEST_MQTT` (`host:port`) to change) with the PostgreSQL
-//! ledger of `tests/support`, in what is MQTT's own: the dead-letter topic
+//! ledger of `tests/integration/support.rs`, in what is MQTT's own: the dead-letter topic
 //! with its reason property, a PUBACK lost and resent by the session with
 //! DUP, retries held for their delay, and refused connections. A consumer
 //! killed mid-handler and competing consumers on a shared subscription are
 //! in `conformance.rs`.
 #![cfg(all(feature = "mqtt", feature = "postgres"))]
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -16,7 +16,7 @@ use std::time::Duration;
 use idemq::source::mqtt::{MqttConfig, MqttPublisher, MqttSource, REASON_PROPERTY};
 use idemq::DeadLetterReason;
 use idemq::{Message, OutcomeKind, SourceErrorKind};
-use support::{
+use crate::support::{
     assert_dead_lettered, payments, receive, run_until_settled, workload, Deliveries, Ledger, Plan,
     SwallowAcks, Tally,
 };

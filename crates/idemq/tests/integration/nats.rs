@@ -1,6 +1,6 @@
 //! The NATS JetStream source against a real nats-server with JetStream
 //! (127.0.0.1:4222 by default, `IDEMQ_TEST_NATS` to change) and the
-//! PostgreSQL ledger of `tests/support`, in what is JetStream's own: the
+//! PostgreSQL ledger of `tests/integration/support.rs`, in what is JetStream's own: the
 //! duplicate window (same-id copies published outside it reach the inbox,
 //! alone and with competing clients; inside it the server drops them),
 //! poison on the dead-letter subject, a lost ack redelivered after
@@ -9,7 +9,7 @@
 //! `conformance.rs`.
 #![cfg(all(feature = "nats", feature = "postgres"))]
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
@@ -20,7 +20,7 @@ use idemq::source::nats::{NatsConfig, NatsPublisher, NatsSource, REASON_HEADER};
 use idemq::source::Publisher;
 use idemq::DeadLetterReason;
 use idemq::{Message, OutcomeKind, SourceErrorKind};
-use support::{
+use crate::support::{
     assert_dead_lettered, payment, payments, run_until_settled, workload, Deliveries, Ledger, Plan,
     SwallowAcks, Tally,
 };

@@ -136,7 +136,7 @@ async fn delete_stream(stream: &str) {
 /// publish that makes that many confirmed publishes hangs *after* Redis took
 /// it (the relay dies there when its task is aborted); `delay` before each;
 /// messages whose id is in `refuse` always fail, permanently
-/// ([`SourceErrorKind::Config`](crate::SourceErrorKind::Config), as for a message the broker can never take)
+/// ([`SourceErrorKind::Config`](crate::outbox::SourceErrorKind::Config), as for a message the broker can never take)
 /// if the value is `true`, else as a broker error.
 struct Probe {
     inner: RedisStreamPublisher,

@@ -9,7 +9,7 @@
 //! runs on both databases (`mod postgres`, `mod mariadb`).
 #![cfg(all(feature = "postgres", feature = "mysql"))]
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -21,7 +21,7 @@ use idemq::store::sql::{
 use idemq::store::{now_ms, Claim, Store, StoreAdmin};
 use idemq::StoreErrorKind;
 
-use support::{claim_request as req, sql_exec, sql_int, sql_rows};
+use crate::support::{claim_request as req, sql_exec, sql_int, sql_rows};
 
 const STEP_MS: i64 = 1_000;
 

@@ -3,8 +3,8 @@
 
 #[test]
 fn readme_shows_the_ledger_example_verbatim() {
-    let readme = include_str!("../../../README.md");
-    let example = include_str!("../examples/ledger.rs");
+    let readme = include_str!("../../../../README.md");
+    let example = include_str!("../../examples/ledger.rs");
     let body: String = example
         .lines()
         .filter(|l| !l.starts_with("//!"))

@@ -3,7 +3,7 @@
 //! Redis (127.0.0.1:6379, `IDEMQ_TEST_REDIS`) and, for the outage tests, a
 //! throwaway `redis-server` that is killed and restarted mid-run.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::process::{Child, Command, Stdio};
@@ -20,7 +20,7 @@ use idemq::{
     handler_fn, Consumer, ConsumerBuilder, HandlerError, KeySpec, Message, Outcome, OutcomeKind,
     RetryPolicy, StoreErrorKind,
 };
-use support::{payment, unique, Ledger, PgTx};
+use crate::support::{payment, unique, Ledger, PgTx};
 
 fn redis_url() -> String {
     std::env::var("IDEMQ_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())

@@ -1,6 +1,6 @@
 //! The Redis Streams source against a real Redis (127.0.0.1:6379 by default,
 //! `IDEMQ_TEST_REDIS` to change) with the PostgreSQL ledger of
-//! `tests/support`, in what is Redis's own: an entry without a payload and
+//! `tests/integration/support.rs`, in what is Redis's own: an entry without a payload and
 //! poison on the dead-letter stream, a lost XACK re-read at once by the same
 //! consumer name, retries held past the claim idle time, a slow entry not
 //! claimed away from a live consumer, a dead consumer's pending entries
@@ -8,7 +8,7 @@
 //! mid-handler is in `conformance.rs`.
 #![cfg(all(feature = "redis-streams", feature = "postgres"))]
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
@@ -21,7 +21,7 @@ use idemq::source::redis_stream::{
 use idemq::source::Source;
 use idemq::DeadLetterReason;
 use idemq::{Message, OutcomeKind, SourceErrorKind};
-use support::{
+use crate::support::{
     assert_dead_lettered, payment, payments, run_until_settled, workload, Deliveries, Ledger, Plan,
     SwallowAcks, Tally,
 };

@@ -10,7 +10,7 @@
 //! tests that need a redelivery take that long.
 #![cfg(all(feature = "rocketmq", feature = "postgres"))]
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -24,7 +24,7 @@ use idemq::source::rocketmq::{
 use idemq::source::Source;
 use idemq::DeadLetterReason;
 use idemq::{Message, Outcome, OutcomeKind, Summary};
-use support::{payment, Ledger, Plan};
+use crate::support::{payment, Ledger, Plan};
 
 const NAME_SERVER: &str = "127.0.0.1:9876";
 

@@ -4,14 +4,14 @@
 //! next run applies each of them exactly once.
 #![cfg(feature = "postgres")]
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idemq::source::queue::MemoryQueue;
 use idemq::OutcomeKind;
-use support::{payment, Ledger, Plan};
+use crate::support::{payment, Ledger, Plan};
 
 /// Ten quick payments and two whose handler sleeps `sleep_ms` first.
 fn queue(sleep_ms: u64) -> (MemoryQueue, std::collections::BTreeMap<String, i64>) {

@@ -9,7 +9,7 @@
 //!   probes, not by a scan of the whole table per batch.
 #![cfg(feature = "postgres")]
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ use idemq::store::sql::SqlOptions;
 use idemq::store::{Claim, Store};
 use idemq::{Consumer, KeySpec, Message, OutcomeKind, StoreErrorKind};
 
-use support::claim_request as req;
+use crate::support::claim_request as req;
 
 #[tokio::test]
 async fn a_connection_dropped_in_the_pool_costs_one_transient_claim() {

@@ -1,6 +1,6 @@
 //! The SQS source against a real SQS endpoint (moto's server on
 //! 127.0.0.1:5000 by default, `IDEMQ_TEST_SQS` to change; `scripts/sqs.sh`
-//! starts it) with the PostgreSQL ledger of `tests/support`, in what is
+//! starts it) with the PostgreSQL ledger of `tests/integration/support.rs`, in what is
 //! SQS's own: poison in the dead-letter queue with its reason attribute, a
 //! lost delete redelivered after the visibility timeout, retries through a
 //! visibility change, a handler slower than the visibility timeout, the
@@ -10,7 +10,7 @@
 //! `conformance.rs`.
 #![cfg(all(feature = "sqs", feature = "postgres"))]
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -23,7 +23,7 @@ use idemq::source::sqs::{SqsConfig, SqsPublisher, SqsSource, REASON_ATTRIBUTE};
 use idemq::source::{Publisher, Source};
 use idemq::DeadLetterReason;
 use idemq::{Message, OutcomeKind, SourceErrorKind};
-use support::{
+use crate::support::{
     assert_dead_lettered, payment, payments, run_until_settled, workload, Deliveries, Ledger, Plan,
     SwallowAcks, Tally,
 };

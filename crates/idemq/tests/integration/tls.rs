@@ -17,7 +17,7 @@
 //! (`scripts/rocketmq.sh`).
 #![cfg(all(feature = "postgres", feature = "mysql"))]
 
-mod support;
+use crate::support;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -29,7 +29,7 @@ use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::sql::SqlOptions;
 use idemq::store::StoreAdmin;
 use idemq::{handler_fn, Consumer, HandlerError, KeySpec, OutcomeKind, StoreErrorKind};
-use support::{workload, Ledger, Plan};
+use crate::support::{workload, Ledger, Plan};
 
 /// Where the scripts keep the services' files.
 fn tools() -> PathBuf {

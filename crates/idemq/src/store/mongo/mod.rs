@@ -111,7 +111,7 @@
 //!
 //! # What was tested against what
 //!
-//! The store suite (`tests/backends`) runs against FerretDB 1.24 over
+//! The store suite (`tests/integration/backends`) runs against FerretDB 1.24 over
 //! PostgreSQL (`scripts/ferretdb.sh`). Nothing here needs a replica set;
 //! on a real MongoDB replica set, put `w=majority` and
 //! `readConcernLevel=majority` in the URL so that a failover cannot roll

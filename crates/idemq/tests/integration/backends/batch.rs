@@ -11,38 +11,38 @@ use idemq::engine::BatchOptions;
 use idemq::store::{Claim, ClaimRequest, Store, StoreAdmin, UnitStore};
 use idemq::{Message, OutcomeKind, StoreErrorKind};
 
-use crate::backend::{unmigrated, Backend, Plan, SqlTestStore};
-use crate::scenarios::{consumer, failing, msg, queue_of, LosingAcks};
+use crate::backends::backend::{unmigrated, Backend, Plan, SqlTestStore};
+use crate::backends::scenarios::{consumer, failing, msg, queue_of, LosingAcks};
 
 macro_rules! batch_scenarios {
     ($backend:ty) => {
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn exactly_once_with_duplicates_inside_and_across_batches() {
-            crate::batch::exactly_once_with_duplicates_inside_and_across_batches::<$backend>().await
+            crate::backends::batch::exactly_once_with_duplicates_inside_and_across_batches::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_failing_message_rolls_back_alone() {
-            crate::batch::a_failing_message_rolls_back_alone::<$backend>().await
+            crate::backends::batch::a_failing_message_rolls_back_alone::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn the_first_copy_in_order_wins_across_batches_at_concurrency_8() {
-            crate::batch::the_first_copy_in_order_wins_across_batches::<$backend>(8).await
+            crate::backends::batch::the_first_copy_in_order_wins_across_batches::<$backend>(8).await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn the_first_copy_in_order_wins_across_batches_at_concurrency_64() {
-            crate::batch::the_first_copy_in_order_wins_across_batches::<$backend>(64).await
+            crate::backends::batch::the_first_copy_in_order_wins_across_batches::<$backend>(64).await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_retry_in_place_inside_a_batch_keeps_only_the_last_calls_writes() {
-            crate::batch::a_retry_in_place_inside_a_batch::<$backend>().await
+            crate::backends::batch::a_retry_in_place_inside_a_batch::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_crash_before_the_commit_applies_the_batch_once() {
-            crate::batch::a_crash_before_the_commit_applies_the_batch_once::<$backend>().await
+            crate::backends::batch::a_crash_before_the_commit_applies_the_batch_once::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn lost_acks_after_the_commit_are_duplicates() {
-            crate::batch::lost_acks_after_the_commit_are_duplicates::<$backend>().await
+            crate::backends::batch::lost_acks_after_the_commit_are_duplicates::<$backend>().await
         }
     };
 }
@@ -51,12 +51,12 @@ pub(crate) use batch_scenarios;
 macro_rules! batch_suite {
     ($backend:ty) => {
         mod batch {
-            crate::batch::batch_scenarios!($backend);
+            crate::backends::batch::batch_scenarios!($backend);
         }
         mod schema {
             #[tokio::test]
             async fn missing_tables_are_a_kind_of_error_with_its_cause() {
-                crate::batch::missing_tables_are_a_kind_of_error_with_its_cause::<$backend>().await
+                crate::backends::batch::missing_tables_are_a_kind_of_error_with_its_cause::<$backend>().await
             }
         }
     };
@@ -64,14 +64,14 @@ macro_rules! batch_suite {
         /// The batch scenarios with a handler that writes a batch's rows
         /// in one statement ([`idemq::Handler::handle_batch`]).
         mod set_based {
-            crate::batch::batch_scenarios!($backend);
+            crate::backends::batch::batch_scenarios!($backend);
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_row_the_database_refuses_fails_the_batch_and_runs_alone() {
-                crate::batch::a_row_the_database_refuses_runs_alone::<$backend>().await
+                crate::backends::batch::a_row_the_database_refuses_runs_alone::<$backend>().await
             }
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_batch_of_new_keys_is_one_handler_call() {
-                crate::batch::a_batch_of_new_keys_is_one_handler_call::<$backend>().await
+                crate::backends::batch::a_batch_of_new_keys_is_one_handler_call::<$backend>().await
             }
         }
     };
@@ -117,7 +117,7 @@ pub async fn the_first_copy_in_order_wins_across_batches<B: Backend>(concurrency
 where
     B::S: UnitStore,
 {
-    crate::scenarios::first_copies_win::<B>(concurrency, |consumer, queue| {
+    crate::backends::scenarios::first_copies_win::<B>(concurrency, |consumer, queue| {
         Box::pin(async move { consumer.run_batched(queue.source(), options(20)).await })
     })
     .await

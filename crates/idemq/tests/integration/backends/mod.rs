@@ -15,41 +15,41 @@ macro_rules! sql_only {
     ($store:ty) => {
         #[tokio::test]
         async fn attempts_counted_elsewhere_do_not_make_a_processed_key_failing() {
-            crate::scenarios::attempts_counted_elsewhere::<$store>().await
+            crate::backends::scenarios::attempts_counted_elsewhere::<$store>().await
         }
     };
 }
 
 #[cfg(feature = "mysql")]
 mod mysql {
-    crate::scenarios::suite!(crate::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>);
-    crate::batch::batch_suite!(crate::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>);
+    crate::backends::scenarios::suite!(crate::backends::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>);
+    crate::backends::batch::batch_suite!(crate::backends::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>);
     sql_only!(idemq::store::sql::mysql::MySqlStore);
-    crate::batch::batch_suite!(set_based: crate::backend::SetBasedBackend<idemq::store::sql::mysql::MySqlStore>);
+    crate::backends::batch::batch_suite!(set_based: crate::backends::backend::SetBasedBackend<idemq::store::sql::mysql::MySqlStore>);
 }
 
 #[cfg(feature = "postgres")]
 mod postgres {
-    crate::scenarios::suite!(
-        crate::backend::SqlBackend<idemq::store::sql::postgres::PostgresStore>
+    crate::backends::scenarios::suite!(
+        crate::backends::backend::SqlBackend<idemq::store::sql::postgres::PostgresStore>
     );
-    crate::batch::batch_suite!(
-        crate::backend::SqlBackend<idemq::store::sql::postgres::PostgresStore>
+    crate::backends::batch::batch_suite!(
+        crate::backends::backend::SqlBackend<idemq::store::sql::postgres::PostgresStore>
     );
     sql_only!(idemq::store::sql::postgres::PostgresStore);
-    crate::batch::batch_suite!(set_based: crate::backend::SetBasedBackend<idemq::store::sql::postgres::PostgresStore>);
+    crate::backends::batch::batch_suite!(set_based: crate::backends::backend::SetBasedBackend<idemq::store::sql::postgres::PostgresStore>);
 }
 
 /// The same scenarios on a time-partitioned inbox of one-second
 /// partitions: claims and their duplicates cross partition boundaries.
 #[cfg(feature = "postgres")]
 mod postgres_partitioned {
-    crate::scenarios::suite!(
-        crate::backend::Partitioned<idemq::store::sql::postgres::PostgresStore>
+    crate::backends::scenarios::suite!(
+        crate::backends::backend::Partitioned<idemq::store::sql::postgres::PostgresStore>
     );
     mod batch {
-        crate::batch::batch_scenarios!(
-            crate::backend::Partitioned<idemq::store::sql::postgres::PostgresStore>
+        crate::backends::batch::batch_scenarios!(
+            crate::backends::backend::Partitioned<idemq::store::sql::postgres::PostgresStore>
         );
     }
 }
@@ -57,31 +57,31 @@ mod postgres_partitioned {
 /// The same on MariaDB's partitioned inbox.
 #[cfg(feature = "mysql")]
 mod mysql_partitioned {
-    crate::scenarios::suite!(crate::backend::Partitioned<idemq::store::sql::mysql::MySqlStore>);
+    crate::backends::scenarios::suite!(crate::backends::backend::Partitioned<idemq::store::sql::mysql::MySqlStore>);
     mod batch {
-        crate::batch::batch_scenarios!(
-            crate::backend::Partitioned<idemq::store::sql::mysql::MySqlStore>
+        crate::backends::batch::batch_scenarios!(
+            crate::backends::backend::Partitioned<idemq::store::sql::mysql::MySqlStore>
         );
     }
 }
 
 #[cfg(feature = "sqlite")]
 mod sqlite {
-    crate::scenarios::suite!(crate::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);
-    crate::batch::batch_suite!(crate::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);
+    crate::backends::scenarios::suite!(crate::backends::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);
+    crate::backends::batch::batch_suite!(crate::backends::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);
     sql_only!(idemq::store::sql::sqlite::SqliteStore);
-    crate::batch::batch_suite!(set_based: crate::backend::SetBasedBackend<idemq::store::sql::sqlite::SqliteStore>);
+    crate::backends::batch::batch_suite!(set_based: crate::backends::backend::SetBasedBackend<idemq::store::sql::sqlite::SqliteStore>);
 }
 
 #[cfg(feature = "redis")]
 mod redis {
-    crate::scenarios::suite!(crate::backend::RedisBackend);
+    crate::backends::scenarios::suite!(crate::backends::backend::RedisBackend);
 
     /// Batch mode over the Redis lease store keeps the order per key
     /// across batches in flight, as the SQL batch suite checks for SQL.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn the_first_copy_in_order_wins_across_lease_batches() {
-        crate::scenarios::first_copies_win::<crate::backend::RedisBackend>(8, |consumer, queue| {
+        crate::backends::scenarios::first_copies_win::<crate::backends::backend::RedisBackend>(8, |consumer, queue| {
             Box::pin(async move {
                 let options =
                     idemq::engine::BatchOptions::new(20, std::time::Duration::from_millis(5));
@@ -96,13 +96,13 @@ mod redis {
 /// `scripts/redis-cluster.sh`): keys spread over the masters' slots.
 #[cfg(feature = "redis")]
 mod redis_cluster {
-    crate::scenarios::suite!(crate::backend::RedisClusterBackend);
+    crate::backends::scenarios::suite!(crate::backends::backend::RedisClusterBackend);
 
     /// Batch mode on a cluster, where each key's scripts go to its own
     /// slot's master: the order per key still holds across batches.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn the_first_copy_in_order_wins_across_lease_batches() {
-        crate::scenarios::first_copies_win::<crate::backend::RedisClusterBackend>(
+        crate::backends::scenarios::first_copies_win::<crate::backends::backend::RedisClusterBackend>(
             8,
             |consumer, queue| {
                 Box::pin(async move {
@@ -120,13 +120,13 @@ mod redis_cluster {
 /// scenarios, and batch mode over its units.
 #[cfg(feature = "mongodb")]
 mod mongo {
-    crate::scenarios::suite!(crate::backend::MongoBackend);
+    crate::backends::scenarios::suite!(crate::backends::backend::MongoBackend);
 
     /// Batch mode over the Mongo lease store keeps the order per key
     /// across batches in flight, as the SQL batch suite checks for SQL.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn the_first_copy_in_order_wins_across_lease_batches() {
-        crate::scenarios::first_copies_win::<crate::backend::MongoBackend>(8, |consumer, queue| {
+        crate::backends::scenarios::first_copies_win::<crate::backends::backend::MongoBackend>(8, |consumer, queue| {
             Box::pin(async move {
                 let options =
                     idemq::engine::BatchOptions::new(20, std::time::Duration::from_millis(5));
@@ -142,7 +142,7 @@ mod mongo {
     /// runtime, and must do nothing when there is none.
     #[test]
     fn dropping_stores_and_leases_outside_the_runtime_does_not_panic() {
-        use crate::backend::Backend;
+        use crate::backends::backend::Backend;
         use idemq::store::mongo::{MongoOptions, MongoStore};
         use idemq::store::unit::{MemberClaim, UnitOptions, WorkUnit};
         use idemq::store::{Claim, ClaimRequest, Store, UnitStore};
@@ -157,7 +157,7 @@ mod mongo {
                 .unwrap()
         };
         let main = runtime(1);
-        let backend = main.block_on(crate::backend::MongoBackend::fresh());
+        let backend = main.block_on(crate::backends::backend::MongoBackend::fresh());
         let prefix = backend.store().options().prefix.clone();
         let url = std::env::var("IDEMQ_TEST_MONGODB")
             .unwrap_or_else(|_| "mongodb://127.0.0.1:27017".into());
@@ -219,12 +219,12 @@ mod mongo {
     /// next claim of the key starts afresh.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_holder_whose_key_was_pruned_cannot_complete() {
-        use crate::backend::Backend;
+        use crate::backends::backend::Backend;
         use idemq::store::{Claim, ClaimRequest, Store, StoreAdmin};
         use idemq::StoreErrorKind;
         use std::time::Duration;
 
-        let backend = crate::backend::MongoBackend::fresh().await;
+        let backend = crate::backends::backend::MongoBackend::fresh().await;
         let store = backend.store();
         let req = ClaimRequest {
             consumer: "pruned",
@@ -260,11 +260,11 @@ mod mongo {
     /// live leases still prunes the abandoned keys.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn live_leases_do_not_stall_pruning() {
-        use crate::backend::Backend;
+        use crate::backends::backend::Backend;
         use idemq::store::{now_ms, Claim, ClaimRequest, Store, StoreAdmin};
         use std::time::Duration;
 
-        let backend = crate::backend::MongoBackend::fresh().await;
+        let backend = crate::backends::backend::MongoBackend::fresh().await;
         let store = backend.store();
         let req = |key| ClaimRequest {
             consumer: "stall",
@@ -307,12 +307,12 @@ mod mongo {
     /// `_id` or a payload that is not a document is refused, not written.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn upsert_once_inserts_a_key_once_under_races() {
-        use crate::backend::Backend;
+        use crate::backends::backend::Backend;
         use idemq::effect::mongo::{document_of, upsert_once, Upserted};
         use idemq::{HandlerErrorKind, Message};
         use mongodb::bson::doc;
 
-        let backend = crate::backend::MongoBackend::fresh().await;
+        let backend = crate::backends::backend::MongoBackend::fresh().await;
         let store = backend.store();
         let payments = store
             .database()
@@ -377,28 +377,28 @@ mod mongo {
     /// The batch scenarios that hold for a lease store (whose handler
     /// effects are its own, so a crashed batch's effects are not undone).
     mod batch {
-        use crate::backend::MongoBackend;
+        use crate::backends::backend::MongoBackend;
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn exactly_once_with_duplicates_inside_and_across_batches() {
-            crate::batch::exactly_once_with_duplicates_inside_and_across_batches::<MongoBackend>()
+            crate::backends::batch::exactly_once_with_duplicates_inside_and_across_batches::<MongoBackend>()
                 .await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_failing_message_rolls_back_alone() {
-            crate::batch::a_failing_message_rolls_back_alone::<MongoBackend>().await
+            crate::backends::batch::a_failing_message_rolls_back_alone::<MongoBackend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_retry_in_place_inside_a_batch() {
-            crate::batch::a_retry_in_place_inside_a_batch::<MongoBackend>().await
+            crate::backends::batch::a_retry_in_place_inside_a_batch::<MongoBackend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn lost_acks_after_the_commit_are_duplicates() {
-            crate::batch::lost_acks_after_the_commit_are_duplicates::<MongoBackend>().await
+            crate::backends::batch::lost_acks_after_the_commit_are_duplicates::<MongoBackend>().await
         }
     }
 }
 
 mod memory {
-    crate::scenarios::suite!(crate::backend::MemoryBackend);
+    crate::backends::scenarios::suite!(crate::backends::backend::MemoryBackend);
 }

@@ -11,89 +11,89 @@ use idemq::{
     Summary,
 };
 
-use crate::backend::{Backend, Plan};
+use crate::backends::backend::{Backend, Plan};
 
 macro_rules! suite {
     ($backend:ty) => {
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn exactly_once_under_concurrency() {
-            crate::scenarios::exactly_once_under_concurrency::<$backend>().await
+            crate::backends::scenarios::exactly_once_under_concurrency::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn retryable_failure_rolls_back_and_retries_once() {
-            crate::scenarios::retryable_failure_rolls_back_and_retries_once::<$backend>().await
+            crate::backends::scenarios::retryable_failure_rolls_back_and_retries_once::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn poison_messages_are_dead_lettered() {
-            crate::scenarios::poison_messages_are_dead_lettered::<$backend>().await
+            crate::backends::scenarios::poison_messages_are_dead_lettered::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_message_dead_lettered_again_keeps_one_letter() {
-            crate::scenarios::a_message_dead_lettered_again_keeps_one_letter::<$backend>().await
+            crate::backends::scenarios::a_message_dead_lettered_again_keeps_one_letter::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn crash_before_commit_is_redelivered_and_applied_once() {
-            crate::scenarios::crash_before_commit_is_redelivered_and_applied_once::<$backend>()
+            crate::backends::scenarios::crash_before_commit_is_redelivered_and_applied_once::<$backend>()
                 .await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_message_that_keeps_crashing_hits_the_delivery_limit() {
-            crate::scenarios::a_message_that_keeps_crashing_hits_the_delivery_limit::<$backend>()
+            crate::backends::scenarios::a_message_that_keeps_crashing_hits_the_delivery_limit::<$backend>()
                 .await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn crash_after_commit_before_ack_is_a_duplicate() {
-            crate::scenarios::crash_after_commit_before_ack_is_a_duplicate::<$backend>().await
+            crate::backends::scenarios::crash_after_commit_before_ack_is_a_duplicate::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn conflicts_are_reported_and_results_replayed() {
-            crate::scenarios::conflicts_are_reported_and_results_replayed::<$backend>().await
+            crate::backends::scenarios::conflicts_are_reported_and_results_replayed::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn bad_input_is_dead_lettered_with_its_reason() {
-            crate::scenarios::bad_input_is_dead_lettered_with_its_reason::<$backend>().await
+            crate::backends::scenarios::bad_input_is_dead_lettered_with_its_reason::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn pruning_removes_only_rows_past_the_window() {
-            crate::scenarios::pruning_removes_only_rows_past_the_window::<$backend>().await
+            crate::backends::scenarios::pruning_removes_only_rows_past_the_window::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn migrations_are_idempotent_under_concurrency() {
-            crate::scenarios::migrations_are_idempotent_under_concurrency::<$backend>().await
+            crate::backends::scenarios::migrations_are_idempotent_under_concurrency::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn the_first_copy_in_order_wins_at_concurrency_8() {
-            crate::scenarios::the_first_copy_in_order_wins::<$backend>(8).await
+            crate::backends::scenarios::the_first_copy_in_order_wins::<$backend>(8).await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn the_first_copy_in_order_wins_at_concurrency_64() {
-            crate::scenarios::the_first_copy_in_order_wins::<$backend>(64).await
+            crate::backends::scenarios::the_first_copy_in_order_wins::<$backend>(64).await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_retry_in_place_keeps_only_the_last_calls_writes() {
-            crate::scenarios::a_retry_in_place_keeps_only_the_last_calls_writes::<$backend>().await
+            crate::backends::scenarios::a_retry_in_place_keeps_only_the_last_calls_writes::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_handler_past_its_timeout_is_rolled_back_and_retried() {
-            crate::scenarios::a_handler_past_its_timeout_is_rolled_back_and_retried::<$backend>()
+            crate::backends::scenarios::a_handler_past_its_timeout_is_rolled_back_and_retried::<$backend>()
                 .await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn layers_wrap_the_handler_in_the_order_added() {
-            crate::scenarios::layers_wrap_the_handler_in_the_order_added::<$backend>().await
+            crate::backends::scenarios::layers_wrap_the_handler_in_the_order_added::<$backend>().await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_later_copy_never_overtakes_one_waiting_for_its_retry() {
-            crate::scenarios::a_later_copy_never_overtakes_one_waiting_for_its_retry::<$backend>()
+            crate::backends::scenarios::a_later_copy_never_overtakes_one_waiting_for_its_retry::<$backend>()
                 .await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn the_store_answers_a_ping() {
-            let backend = <$backend as crate::backend::Backend>::fresh().await;
-            idemq::store::StoreAdmin::ping(&crate::backend::Backend::store(&backend))
+            let backend = <$backend as crate::backends::backend::Backend>::fresh().await;
+            idemq::store::StoreAdmin::ping(&crate::backends::backend::Backend::store(&backend))
                 .await
                 .expect("ping");
-            crate::backend::Backend::cleanup(backend).await;
+            crate::backends::backend::Backend::cleanup(backend).await;
         }
     };
 }
@@ -989,13 +989,13 @@ pub async fn a_handler_past_its_timeout_is_rolled_back_and_retried<B: Backend>()
 /// another process stay as history after the key is processed here: they
 /// are not "failing" in `stats`, and a failure counted by the committing
 /// store is cleared with its commit.
-pub async fn attempts_counted_elsewhere<S: crate::backend::SqlTestStore>()
+pub async fn attempts_counted_elsewhere<S: crate::backends::backend::SqlTestStore>()
 where
     S::Tx: Send,
 {
     use idemq::store::{Claim, ClaimRequest};
 
-    let backend = crate::backend::SqlBackend::<S>::fresh().await;
+    let backend = crate::backends::backend::SqlBackend::<S>::fresh().await;
     let here = backend.store();
     let elsewhere = here.another();
     let req = |key| ClaimRequest {
