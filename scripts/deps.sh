@@ -7,8 +7,10 @@
 #   (several times faster on the test binaries; optional for a build);
 # - from crates.io: cargo-nextest, which scripts/test.sh runs the tests
 #   with (built once into ~/.cargo/bin; pinned below). Built unoptimised,
-#   without debug info: 217 s on 2 cores against 511 s for a release build,
-#   and a test runner spends its time waiting for the tests.
+#   without debug info (217 s on 2 cores against 511 s for a release build;
+#   a test runner spends its time waiting for the tests) and without its
+#   default features (`self-update`: an HTTP and TLS stack to download new
+#   versions of itself; `usdt`: DTrace probes), which the tests use neither.
 set -euo pipefail
 NEXTEST_VERSION=0.9.151
 missing=()
@@ -28,5 +30,5 @@ if [[ "${1:-}" == --nextest ]] &&
   ! cargo nextest --version 2>/dev/null | grep -q "cargo-nextest $NEXTEST_VERSION"; then
   echo "deps: installing cargo-nextest $NEXTEST_VERSION from crates.io (once)"
   CARGO_PROFILE_DEV_DEBUG=false cargo install --debug --locked --quiet \
-    cargo-nextest --version "$NEXTEST_VERSION"
+    --no-default-features cargo-nextest --version "$NEXTEST_VERSION"
 fi
