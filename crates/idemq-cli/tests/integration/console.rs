@@ -21,7 +21,6 @@ use fantoccini::{Client, ClientBuilder, Locator};
 use sqlx::sqlite::SqlitePoolOptions;
 use sqlx::Row;
 
-use crate::common;
 use crate::common::{free_port, idemq, wait_listening};
 
 /// A child process killed when the test ends, however it ends.

@@ -8,7 +8,6 @@
 
 use std::process::Output;
 
-use crate::common;
 use crate::common::{free_port, idemq};
 
 /// A name no earlier run used.

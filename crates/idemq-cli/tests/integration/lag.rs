@@ -20,7 +20,6 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use crate::common;
 use crate::common::{free_port, idemq, watch_series};
 
 /// Messages produced per test.

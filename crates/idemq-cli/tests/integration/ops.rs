@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::common;
 use crate::common::{free_port, get, idemq, series, wait_listening, watch_series};
 
 /// A TCP proxy to `upstream` that can be cut (every connection closed,

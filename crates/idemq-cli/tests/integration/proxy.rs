@@ -18,7 +18,6 @@ use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use axum::Router;
 
-use crate::common;
 use crate::common::{free_port, idemq, wait_listening};
 
 /// What the upstream did: orders created, failures answered, reads served.

@@ -13,14 +13,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::{
+    assert_dead_lettered, eventually, payment, start, workload, Deliveries, Ledger, Plan, Tally,
+};
 use idemq::source::amqp::{AmqpConfig, AmqpPublisher, AmqpSource, QueueType, REASON_HEADER};
 use idemq::DeadLetterReason;
 use idemq::{Message, OutcomeKind};
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use crate::support::{
-    assert_dead_lettered, eventually, payment, start, workload, Deliveries, Ledger, Plan, Tally,
-};
 
 fn amqp_url() -> String {
     std::env::var("IDEMQ_TEST_AMQP")

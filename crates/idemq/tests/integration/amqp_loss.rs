@@ -14,6 +14,7 @@ use crate::support;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::{eventually, payments, start, Ledger, Plan, Tally};
 use idemq::source::amqp::{AmqpConfig, AmqpPublisher, AmqpSource};
 use idemq::source::loss::LossPolicy;
 use idemq::source::Publisher;
@@ -21,7 +22,6 @@ use idemq::{Message, SourceErrorKind};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use serde_json::json;
-use crate::support::{eventually, payments, start, Ledger, Plan, Tally};
 
 fn amqp_url() -> String {
     std::env::var("IDEMQ_TEST_AMQP")

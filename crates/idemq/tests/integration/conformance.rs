@@ -27,13 +27,13 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idemq::source::registry::{self, Broker};
-use idemq::source::{Publisher, Source};
-use idemq::{DeadLetterReason, Message, OutcomeKind};
 use crate::support::{
     assert_dead_lettered, eventually, payment, payments, start, workload, Deliveries, Ledger, Plan,
     Running, SwallowAcks, Tally,
 };
+use idemq::source::registry::{self, Broker};
+use idemq::source::{Publisher, Source};
+use idemq::{DeadLetterReason, Message, OutcomeKind};
 
 /// How long a scenario may wait for the brokers (redeliveries after a
 /// visibility timeout, an ack wait, a rebalance).

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::{payment, payments, Ledger, PgTx, Plan, Tally};
 use idemq::source::kafka::{
     create_topic, default_key_spec, KafkaConfig, KafkaPublisher, KafkaSource,
     DEAD_LETTER_REASON_HEADER,
@@ -28,7 +29,6 @@ use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Headers as _, Message as _};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
-use crate::support::{payment, payments, Ledger, PgTx, Plan, Tally};
 
 const BROKERS: &str = "127.0.0.1:9092";
 const PARTITIONS: i32 = 3;

@@ -12,6 +12,7 @@ use crate::support;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::support::{payment, payments, Ledger, Plan, Tally};
 use idemq::source::kafka::{create_topic, delete_topic, KafkaConfig, KafkaPublisher, KafkaSource};
 use idemq::source::loss::LossPolicy;
 use idemq::SourceErrorKind;
@@ -20,7 +21,6 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use crate::support::{payment, payments, Ledger, Plan, Tally};
 
 const BROKERS: &str = "127.0.0.1:9092";
 

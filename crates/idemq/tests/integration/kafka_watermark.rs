@@ -25,6 +25,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::{payments, Plan, SwallowAcks, Tally};
 use async_trait::async_trait;
 use futures_util::future::BoxFuture;
 use idemq::engine::WatermarkOptions;
@@ -38,7 +39,6 @@ use idemq::store::{ClaimRequest, Store, StoreAdmin, UnitStore, WatermarkStore};
 use idemq::{
     Consumer, ConsumerBuilder, HandlerError, KeySpec, Message, OutcomeKind, SourceError, Summary,
 };
-use crate::support::{payments, Plan, SwallowAcks, Tally};
 
 const BROKERS: &str = "127.0.0.1:9092";
 const PARTITIONS: i32 = 3;

@@ -13,13 +13,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemq::source::mqtt::{MqttConfig, MqttPublisher, MqttSource, REASON_PROPERTY};
-use idemq::DeadLetterReason;
-use idemq::{Message, OutcomeKind, SourceErrorKind};
 use crate::support::{
     assert_dead_lettered, payments, receive, run_until_settled, workload, Deliveries, Ledger, Plan,
     SwallowAcks, Tally,
 };
+use idemq::source::mqtt::{MqttConfig, MqttPublisher, MqttSource, REASON_PROPERTY};
+use idemq::DeadLetterReason;
+use idemq::{Message, OutcomeKind, SourceErrorKind};
 
 /// A config for `topic` as `client_id`, with a 60 s session expiry.
 fn config(topic: &str, client_id: &str) -> MqttConfig {

@@ -16,14 +16,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idemq::source::nats::{NatsConfig, NatsPublisher, NatsSource, REASON_HEADER};
-use idemq::source::Publisher;
-use idemq::DeadLetterReason;
-use idemq::{Message, OutcomeKind, SourceErrorKind};
 use crate::support::{
     assert_dead_lettered, payment, payments, run_until_settled, workload, Deliveries, Ledger, Plan,
     SwallowAcks, Tally,
 };
+use idemq::source::nats::{NatsConfig, NatsPublisher, NatsSource, REASON_HEADER};
+use idemq::source::Publisher;
+use idemq::DeadLetterReason;
+use idemq::{Message, OutcomeKind, SourceErrorKind};
 
 fn server() -> String {
     std::env::var("IDEMQ_TEST_NATS").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())

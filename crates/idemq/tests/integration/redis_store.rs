@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::{payment, unique, Ledger, PgTx};
 use idemq::source::queue::MemoryQueue;
 use idemq::store::cache::{CachedStore, RedisFilter};
 use idemq::store::redis::{RedisLease, RedisOptions, RedisStore};
@@ -20,7 +21,6 @@ use idemq::{
     handler_fn, Consumer, ConsumerBuilder, HandlerError, KeySpec, Message, Outcome, OutcomeKind,
     RetryPolicy, StoreErrorKind,
 };
-use crate::support::{payment, unique, Ledger, PgTx};
 
 fn redis_url() -> String {
     std::env::var("IDEMQ_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())

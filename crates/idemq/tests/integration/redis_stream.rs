@@ -15,16 +15,16 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::{
+    assert_dead_lettered, payment, payments, run_until_settled, workload, Deliveries, Ledger, Plan,
+    SwallowAcks, Tally,
+};
 use idemq::source::redis_stream::{
     RedisStreamConfig, RedisStreamPublisher, RedisStreamSource, ENTRY_ID_HEADER, REASON_FIELD,
 };
 use idemq::source::Source;
 use idemq::DeadLetterReason;
 use idemq::{Message, OutcomeKind, SourceErrorKind};
-use crate::support::{
-    assert_dead_lettered, payment, payments, run_until_settled, workload, Deliveries, Ledger, Plan,
-    SwallowAcks, Tally,
-};
 
 fn redis_url() -> String {
     std::env::var("IDEMQ_TEST_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())

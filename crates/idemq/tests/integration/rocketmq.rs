@@ -17,6 +17,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::{payment, Ledger, Plan};
 use idemq::source::rocketmq::{
     default_key_spec, RocketMqConfig, RocketMqPublisher, RocketMqSource,
     DEAD_LETTER_REASON_PROPERTY,
@@ -24,7 +25,6 @@ use idemq::source::rocketmq::{
 use idemq::source::Source;
 use idemq::DeadLetterReason;
 use idemq::{Message, Outcome, OutcomeKind, Summary};
-use crate::support::{payment, Ledger, Plan};
 
 const NAME_SERVER: &str = "127.0.0.1:9876";
 

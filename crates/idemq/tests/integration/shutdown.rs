@@ -4,14 +4,12 @@
 //! next run applies each of them exactly once.
 #![cfg(feature = "postgres")]
 
-use crate::support;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::{payment, Ledger, Plan};
 use idemq::source::queue::MemoryQueue;
 use idemq::OutcomeKind;
-use crate::support::{payment, Ledger, Plan};
 
 /// Ten quick payments and two whose handler sleeps `sleep_ms` first.
 fn queue(sleep_ms: u64) -> (MemoryQueue, std::collections::BTreeMap<String, i64>) {

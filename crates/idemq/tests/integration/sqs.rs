@@ -17,16 +17,16 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::{
+    assert_dead_lettered, payment, payments, run_until_settled, workload, Deliveries, Ledger, Plan,
+    SwallowAcks, Tally,
+};
 use aws_sdk_sqs::types::QueueAttributeName;
 use idemq::source::loss::LossPolicy;
 use idemq::source::sqs::{SqsConfig, SqsPublisher, SqsSource, REASON_ATTRIBUTE};
 use idemq::source::{Publisher, Source};
 use idemq::DeadLetterReason;
 use idemq::{Message, OutcomeKind, SourceErrorKind};
-use crate::support::{
-    assert_dead_lettered, payment, payments, run_until_settled, workload, Deliveries, Ledger, Plan,
-    SwallowAcks, Tally,
-};
 
 fn endpoint() -> String {
     std::env::var("IDEMQ_TEST_SQS").unwrap_or_else(|_| "http://127.0.0.1:5000".into())

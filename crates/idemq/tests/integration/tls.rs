@@ -23,13 +23,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::{workload, Ledger, Plan};
 use idemq::source::queue::MemoryQueue;
 use idemq::store::sql::mysql::{MySqlStore, MySqlTx};
 use idemq::store::sql::postgres::PostgresStore;
 use idemq::store::sql::SqlOptions;
 use idemq::store::StoreAdmin;
 use idemq::{handler_fn, Consumer, HandlerError, KeySpec, OutcomeKind, StoreErrorKind};
-use crate::support::{workload, Ledger, Plan};
 
 /// Where the scripts keep the services' files.
 fn tools() -> PathBuf {

@@ -22,8 +22,12 @@ macro_rules! sql_only {
 
 #[cfg(feature = "mysql")]
 mod mysql {
-    crate::backends::scenarios::suite!(crate::backends::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>);
-    crate::backends::batch::batch_suite!(crate::backends::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>);
+    crate::backends::scenarios::suite!(
+        crate::backends::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>
+    );
+    crate::backends::batch::batch_suite!(
+        crate::backends::backend::SqlBackend<idemq::store::sql::mysql::MySqlStore>
+    );
     sql_only!(idemq::store::sql::mysql::MySqlStore);
     crate::backends::batch::batch_suite!(set_based: crate::backends::backend::SetBasedBackend<idemq::store::sql::mysql::MySqlStore>);
 }
@@ -57,7 +61,9 @@ mod postgres_partitioned {
 /// The same on MariaDB's partitioned inbox.
 #[cfg(feature = "mysql")]
 mod mysql_partitioned {
-    crate::backends::scenarios::suite!(crate::backends::backend::Partitioned<idemq::store::sql::mysql::MySqlStore>);
+    crate::backends::scenarios::suite!(
+        crate::backends::backend::Partitioned<idemq::store::sql::mysql::MySqlStore>
+    );
     mod batch {
         crate::backends::batch::batch_scenarios!(
             crate::backends::backend::Partitioned<idemq::store::sql::mysql::MySqlStore>
@@ -67,8 +73,12 @@ mod mysql_partitioned {
 
 #[cfg(feature = "sqlite")]
 mod sqlite {
-    crate::backends::scenarios::suite!(crate::backends::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);
-    crate::backends::batch::batch_suite!(crate::backends::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>);
+    crate::backends::scenarios::suite!(
+        crate::backends::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>
+    );
+    crate::backends::batch::batch_suite!(
+        crate::backends::backend::SqlBackend<idemq::store::sql::sqlite::SqliteStore>
+    );
     sql_only!(idemq::store::sql::sqlite::SqliteStore);
     crate::backends::batch::batch_suite!(set_based: crate::backends::backend::SetBasedBackend<idemq::store::sql::sqlite::SqliteStore>);
 }
@@ -81,13 +91,16 @@ mod redis {
     /// across batches in flight, as the SQL batch suite checks for SQL.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn the_first_copy_in_order_wins_across_lease_batches() {
-        crate::backends::scenarios::first_copies_win::<crate::backends::backend::RedisBackend>(8, |consumer, queue| {
-            Box::pin(async move {
-                let options =
-                    idemq::engine::BatchOptions::new(20, std::time::Duration::from_millis(5));
-                consumer.run_batched(queue.source(), options).await
-            })
-        })
+        crate::backends::scenarios::first_copies_win::<crate::backends::backend::RedisBackend>(
+            8,
+            |consumer, queue| {
+                Box::pin(async move {
+                    let options =
+                        idemq::engine::BatchOptions::new(20, std::time::Duration::from_millis(5));
+                    consumer.run_batched(queue.source(), options).await
+                })
+            },
+        )
         .await
     }
 }
@@ -126,13 +139,16 @@ mod mongo {
     /// across batches in flight, as the SQL batch suite checks for SQL.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn the_first_copy_in_order_wins_across_lease_batches() {
-        crate::backends::scenarios::first_copies_win::<crate::backends::backend::MongoBackend>(8, |consumer, queue| {
-            Box::pin(async move {
-                let options =
-                    idemq::engine::BatchOptions::new(20, std::time::Duration::from_millis(5));
-                consumer.run_batched(queue.source(), options).await
-            })
-        })
+        crate::backends::scenarios::first_copies_win::<crate::backends::backend::MongoBackend>(
+            8,
+            |consumer, queue| {
+                Box::pin(async move {
+                    let options =
+                        idemq::engine::BatchOptions::new(20, std::time::Duration::from_millis(5));
+                    consumer.run_batched(queue.source(), options).await
+                })
+            },
+        )
         .await
     }
 
@@ -381,8 +397,10 @@ mod mongo {
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
         async fn exactly_once_with_duplicates_inside_and_across_batches() {
-            crate::backends::batch::exactly_once_with_duplicates_inside_and_across_batches::<MongoBackend>()
-                .await
+            crate::backends::batch::exactly_once_with_duplicates_inside_and_across_batches::<
+                MongoBackend,
+            >()
+            .await
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn a_failing_message_rolls_back_alone() {
@@ -394,7 +412,8 @@ mod mongo {
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn lost_acks_after_the_commit_are_duplicates() {
-            crate::backends::batch::lost_acks_after_the_commit_are_duplicates::<MongoBackend>().await
+            crate::backends::batch::lost_acks_after_the_commit_are_duplicates::<MongoBackend>()
+                .await
         }
     }
 }
