@@ -68,7 +68,11 @@ CONF
 # broker_conf NAME BROKER_PORT NAMESRV_PORT [EXTRA…]: the configuration of
 # broker NAME, with its own store; each EXTRA is one more line. The commit
 # log is kept 96 h (not the default 72 h), which the tests read back as the
-# source's redelivery horizon.
+# source's redelivery horizon. Off: the timer wheel (messages with an
+# arbitrary delivery time, which idemq does not send: its retries use the
+# delay levels, which the schedule service serves) and the fast-failure
+# sweeper; their threads poll every few milliseconds and kept an idle
+# broker at about a tenth of a core.
 broker_conf() {
   local name=$1 port=$2 namesrv=$3
   shift 3
@@ -91,6 +95,8 @@ defaultTopicQueueNums=4
 mappedFileSizeCommitLog=134217728
 diskMaxUsedSpaceRatio=95
 fileReservedTime=96
+timerWheelEnable=false
+brokerFastFailureEnable=false
 CONF
     printf '%s\n' "$@"
   } >"$RUN/$name.conf"
