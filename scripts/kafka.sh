@@ -5,7 +5,7 @@
 #
 # Once: `mvn dependency:copy-dependencies` resolves the broker's class path
 # (scripts/jvm/kafka/pom.xml) into ${IDEMQ_TOOLS:-$HOME/.idemq-tools}/kafka/lib-VERSION.
-# TLS and authentication (for tests/tls.rs), beside plain :9092:
+# TLS and authentication (for tests/integration/tls.rs), beside plain :9092:
 #   :9094 SASL_SSL, mechanisms PLAIN, SCRAM-SHA-256 and SCRAM-SHA-512, user
 #         idemq with password idemq-secret (SCRAM credentials written when
 #         the storage is formatted);
@@ -17,7 +17,9 @@
 # throwaway topics; state left by a broker killed with an earlier session
 # never matters and never grows), then `java -cp … kafka.Kafka` starts in the
 # background, heap capped (KAFKA_HEAP, default 1g). Idempotent: a broker that
-# already answers is left alone. Log: $IDEMQ_TOOLS/kafka/kafka.log.
+# already answers is left alone, unless it is ours and was started with
+# another configuration than this script's (then it starts again with this
+# one). Log: $IDEMQ_TOOLS/kafka/kafka.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib/daemon.sh
@@ -54,18 +56,6 @@ cat "$TLS/server.key" "$TLS/server.crt" >"$TLS/server.pem"
 chmod 600 "$TLS/server.pem"
 started() { port_open "$HOST" "$PORT" && port_open "$HOST" "$SSL_PORT" && grep -q 'Kafka Server started' "$LOG"; }
 
-if port_open "$HOST" "$PORT"; then
-  if port_open "$HOST" "$SASL_SSL_PORT" || ! pid_alive "$PIDFILE"; then
-    echo "kafka: something already answers on $HOST:$PORT"
-    exit 0
-  fi
-  # Ours, started by an older version of this script without the TLS
-  # listeners: start it again with them.
-  echo "kafka: restarting the broker (pid $(live_pid "$PIDFILE")) with its TLS listeners"
-  kill "$(live_pid "$PIDFILE")"
-  for _ in $(seq 1 300); do pid_alive "$PIDFILE" || break; sleep 0.1; done
-fi
-
 if [ ! -f "$LIB/.complete" ]; then
   echo "kafka: resolving Apache Kafka $VERSION from Maven Central into $LIB (once)"
   rm -rf "$LIB"
@@ -88,7 +78,7 @@ rootLogger.appenderRef.out.ref = OUT
 logger.server.name = kafka.server.KafkaRaftServer
 logger.server.level = INFO
 CONF
-cat >"$CONF" <<CONF
+cat >"$CONF.new" <<CONF
 # One KRaft node for the idemq tests (scripts/kafka.sh), loopback only.
 process.roles=broker,controller
 node.id=1
@@ -119,10 +109,34 @@ transaction.state.log.num.partitions=4
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
+# Consumers may ask for session timeouts down to 1 s (the default floor is
+# 6 s): the chaos matrix's Kafka cells kill a consumer 20 times, and the
+# group waits out the dead member's session before it rebalances.
+group.min.session.timeout.ms=1000
 # Offset commits are written at once instead of lingering to batch them
 # (the default waits up to 5 ms per commit; one consumer commits per record).
 group.coordinator.append.linger.ms=0
 CONF
+
+# A broker that answers is left alone, unless it is ours and was started
+# with another configuration (an older version of this script): then it is
+# started again with this one.
+if port_open "$HOST" "$PORT"; then
+  if ! pid_alive "$PIDFILE"; then
+    echo "kafka: something already answers on $HOST:$PORT"
+    rm -f "$CONF.new"
+    exit 0
+  fi
+  if port_open "$HOST" "$SASL_SSL_PORT" && cmp -s "$CONF.new" "$CONF"; then
+    echo "kafka: the broker (pid $(live_pid "$PIDFILE")) already answers on $HOST:$PORT"
+    rm -f "$CONF.new"
+    exit 0
+  fi
+  echo "kafka: restarting the broker (pid $(live_pid "$PIDFILE")) with this script's configuration"
+  kill "$(live_pid "$PIDFILE")"
+  for _ in $(seq 1 300); do pid_alive "$PIDFILE" || break; sleep 0.1; done
+fi
+mv -f "$CONF.new" "$CONF"
 
 JAVA_OPTS=(-Xms256m "-Xmx$HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError
   -Djava.awt.headless=true "-Dlog4j2.configurationFile=$RUN/log4j2.properties")
