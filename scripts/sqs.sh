@@ -51,9 +51,10 @@ if port_open "$HOST" "$PORT"; then
   exit 1
 fi
 
-# moto's server through scripts/moto-server.py, which makes two hot spots of
-# moto 5.2.5's SQS model cheap (the clock read per message on every send;
-# a FIFO long poll re-scanning at once) without changing what SQS does.
+# moto's server through scripts/moto-server.py, which makes three hot spots of
+# moto 5.2.5 cheap (the clock read per message on every send; a FIFO long
+# poll re-scanning at once; a directory listing per request) without
+# changing what SQS does.
 spawn_unless_alive "sqs: moto_server on http://$HOST:$PORT" "$PIDFILE" "$LOG" \
   "$VENV/bin/python3" scripts/moto-server.py -H "$HOST" -p "$PORT"
 wait_until "SQS (moto)" 60 "$PIDFILE" "$LOG" answers
