@@ -206,16 +206,22 @@ impl<DB: SqlDatabase> SqlStore<DB> {
     }
 
     /// Creates the partitions ahead (of the inbox and the journal) when that
-    /// is due and no other claim of this store is doing it.
+    /// is due: one claim of the store at a time, the others waiting for it.
     async fn keep_partitions_ahead(&self) {
+        if !self.parts.upkeep.due(now_ms()) {
+            return;
+        }
+        let _turn = self.parts.upkeep.turn().await;
+        // Another claim may have done it while this one waited.
         let now = now_ms();
-        if self.parts.upkeep.begin(now) {
-            match self.parts.sql.ensure(&self.pool, now).await {
-                Ok((_, interval_ms)) => self.parts.upkeep.done(now, interval_ms),
-                Err(e) => {
-                    tracing::warn!(inbox = %self.tables.inbox, error = %e, "could not create partitions ahead; trying again in a second");
-                    self.parts.upkeep.done(now, 4_000);
-                }
+        if !self.parts.upkeep.due(now) {
+            return;
+        }
+        match self.parts.sql.ensure(&self.pool, now).await {
+            Ok((_, interval_ms)) => self.parts.upkeep.done(now, interval_ms),
+            Err(e) => {
+                tracing::warn!(inbox = %self.tables.inbox, error = %e, "could not create partitions ahead; trying again in a second");
+                self.parts.upkeep.done(now, 4_000);
             }
         }
     }

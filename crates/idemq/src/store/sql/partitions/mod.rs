@@ -419,34 +419,26 @@ async fn int_column<DB: SqlDatabase>(
         .collect()
 }
 
-/// When a store next makes sure the partitions ahead exist.
+/// When a store next makes sure the partitions ahead exist, and the turn
+/// of the one claim that does it.
 #[derive(Debug, Default)]
 pub(super) struct Upkeep {
     next_ms: AtomicI64,
+    turn: tokio::sync::Mutex<()>,
 }
 
 impl Upkeep {
-    /// How long an upkeep begun may take before another caller may begin
-    /// one: longer than the maintenance lock's wait.
-    const IN_PROGRESS_MS: i64 = 15_000;
+    /// Whether upkeep is due at `now_ms`.
+    pub(super) fn due(&self, now_ms: i64) -> bool {
+        now_ms >= self.next_ms.load(Ordering::Relaxed)
+    }
 
-    /// Whether upkeep is due at `now_ms` and this caller is the one to do
-    /// it: of the claims that find it due at once, one begins it (and ends
-    /// it with [`done`](Self::done)); the others go on to their claims
-    /// instead of queueing on the maintenance lock behind it, each on a
-    /// connection taken from the pool.
-    pub(super) fn begin(&self, now_ms: i64) -> bool {
-        let next = self.next_ms.load(Ordering::Relaxed);
-        now_ms >= next
-            && self
-                .next_ms
-                .compare_exchange(
-                    next,
-                    now_ms + Self::IN_PROGRESS_MS,
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                )
-                .is_ok()
+    /// Waits for the turn to do upkeep: of the claims that find it due at
+    /// once, the first does it and the others wait for it to end, then
+    /// find it no longer due (instead of each taking a connection and
+    /// queueing on the maintenance lock to do it again).
+    pub(super) async fn turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.turn.lock().await
     }
 
     /// Schedules the next upkeep after one done at `now_ms` over partitions
@@ -493,20 +485,27 @@ mod tests {
         );
     }
 
-    #[test]
-    fn one_of_the_callers_that_find_upkeep_due_begins_it() {
-        let upkeep = Upkeep::default();
-        assert!(upkeep.begin(1_000), "due at first");
-        assert!(!upkeep.begin(1_000), "begun: the others skip it");
-        assert!(!upkeep.begin(1_000 + Upkeep::IN_PROGRESS_MS - 1));
-        // Begun and never ended (its task dropped): due again later.
-        assert!(upkeep.begin(1_000 + Upkeep::IN_PROGRESS_MS));
-        upkeep.done(20_000, 2_000);
-        assert!(!upkeep.begin(20_499), "a quarter interval after it ended");
-        assert!(upkeep.begin(20_500));
-        assert!(!upkeep.begin(20_500));
+    #[tokio::test]
+    async fn the_claims_that_find_upkeep_due_wait_for_the_one_doing_it() {
+        let upkeep = std::sync::Arc::new(Upkeep::default());
+        assert!(upkeep.due(1_000));
+        let first = upkeep.turn().await;
+        let waiter = tokio::spawn({
+            let upkeep = upkeep.clone();
+            async move {
+                let _turn = upkeep.turn().await;
+                upkeep.due(1_100)
+            }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "waits for the upkeep in progress");
+        upkeep.done(1_000, 2_000);
+        drop(first);
+        assert!(!waiter.await.unwrap(), "then finds it done");
+        assert!(upkeep.due(1_500), "a quarter interval later");
+        upkeep.done(2_000, 2_000);
         upkeep.now();
-        assert!(upkeep.begin(20_501), "a claim found no partition: due now");
+        assert!(upkeep.due(2_001), "a claim found no partition: due now");
     }
 
     #[test]
