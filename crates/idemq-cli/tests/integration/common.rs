@@ -1,6 +1,6 @@
 //! Helpers shared by the integration tests that run the `idemq` binary and
 //! talk to its `--http-addr` (`ops.rs`, `lag.rs`, `console.rs`).
-#![allow(dead_code)] // not every test binary uses every helper
+#![allow(dead_code)] // a build without some features uses only some helpers
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

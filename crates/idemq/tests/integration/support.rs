@@ -1,4 +1,4 @@
-//! Shared by the broker and lease-store tests (`mod support;`): a PostgreSQL
+//! Shared by the broker and lease-store tests (`crate::support`): a PostgreSQL
 //! ledger that the handler writes through the claim's transaction, a handler
 //! with scripted failures, a workload with both kinds of duplicates and some
 //! poison, a source wrapper that "crashes" after the commit and before the
