@@ -14,7 +14,7 @@
 # The services start while the test binaries build. The tests run under
 # cargo-nextest (scripts/deps.sh installs it once; .config/nextest.toml
 # says how many at once and which ones must not overlap), each in a process
-# of its own; the doctests under `cargo test --doc`.
+# of its own; the doctests under `cargo test --doc`, beside the chaos matrix.
 #
 #   scripts/test.sh                  everything
 #   scripts/test.sh -E 'test(/^kafka::/)'   some tests (nextest's filters);
@@ -45,12 +45,23 @@ took "services (the rest of their start)"
 cargo nextest run --workspace --all-features --profile ci "$@"
 took "run the tests"
 if [ $# -eq 0 ]; then
-  cargo test --workspace --all-features --doc
-  took "doctests"
-  # The short chaos matrix (every source and every store, ~2,000 orders and
-  # >= 20 SIGKILLs per cell, five cells with a database or broker restart),
-  # with the binary the tests just built (all features: fail points
-  # included).
-  CHAOS_BIN="${CARGO_TARGET_DIR:-target}/debug/idemq" scripts/chaos.sh
-  took "short chaos matrix"
+  # The doctests compile while the short chaos matrix runs (every source and
+  # every store, ~2,000 orders and >= 20 SIGKILLs per cell, five cells with
+  # a database or broker restart, with the binary the tests just built: all
+  # features, fail points included): the cells wait on brokers much of the
+  # time, and rustdoc fills it. The doctests' output is printed after the
+  # matrix.
+  doc_log="$(mktemp /tmp/idemq-doctests.XXXXXX)"
+  cargo test --workspace --all-features --doc >"$doc_log" 2>&1 &
+  doctests=$!
+  chaos=0
+  CHAOS_BIN="${CARGO_TARGET_DIR:-target}/debug/idemq" scripts/chaos.sh || chaos=$?
+  took "short chaos matrix (the doctests beside it)"
+  doc=0
+  wait "$doctests" || doc=$?
+  cat "$doc_log"
+  rm -f "$doc_log"
+  took "doctests (what was left of them)"
+  [ "$doc" -eq 0 ] || { echo "test.sh: the doctests failed" >&2; exit "$doc"; }
+  [ "$chaos" -eq 0 ] || { echo "test.sh: the chaos matrix failed" >&2; exit "$chaos"; }
 fi
