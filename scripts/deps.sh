@@ -29,6 +29,9 @@ fi
 if [[ "${1:-}" == --nextest ]] &&
   ! cargo nextest --version 2>/dev/null | grep -q "cargo-nextest $NEXTEST_VERSION"; then
   echo "deps: installing cargo-nextest $NEXTEST_VERSION from crates.io (once)"
-  CARGO_PROFILE_DEV_DEBUG=false cargo install --debug --locked --quiet \
+  # Built as itself, not linted: .ci/run's clippy wrapper is for this
+  # workspace only.
+  env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS CARGO_PROFILE_DEV_DEBUG=false \
+    cargo install --debug --locked --quiet \
     --no-default-features cargo-nextest --version "$NEXTEST_VERSION"
 fi
