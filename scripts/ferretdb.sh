@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes sure a MongoDB-wire server answers on 127.0.0.1:27017 for the
-# `mongodb` tests (the Mongo store suite of tests/backends, the CLI): FerretDB
+# `mongodb` tests (the Mongo store suite of tests/integration/backends, the CLI): FerretDB
 # v1 (Apache-2.0), which speaks the MongoDB wire protocol over PostgreSQL.
 #
 # Once: FerretDB is built from the Go module proxy into

@@ -11,7 +11,7 @@
 #   scripts/redis-cluster.sh
 #
 # State and logs: ${IDEMQ_TOOLS:-$HOME/.idemq-tools}/redis-cluster/<port>/.
-# The tests that use it (tests/redis_cluster.rs, the Redis Cluster suite of
+# The tests that use it (the cluster tests of tests/integration/redis_store.rs, the Redis Cluster suite of
 # tests/integration/backends) read IDEMQ_TEST_REDIS_CLUSTER (default: the six nodes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
