@@ -56,6 +56,12 @@ cat "$TLS/server.key" "$TLS/server.crt" >"$TLS/server.pem"
 chmod 600 "$TLS/server.pem"
 started() { port_open "$HOST" "$PORT" && port_open "$HOST" "$SSL_PORT" && grep -q 'Kafka Server started' "$LOG"; }
 
+# A broker that is not ours is left alone, before anything is resolved.
+if port_open "$HOST" "$PORT" && ! pid_alive "$PIDFILE"; then
+  echo "kafka: something already answers on $HOST:$PORT"
+  exit 0
+fi
+
 if [ ! -f "$LIB/.complete" ]; then
   echo "kafka: resolving Apache Kafka $VERSION from Maven Central into $LIB (once)"
   rm -rf "$LIB"
@@ -118,15 +124,10 @@ group.min.session.timeout.ms=1000
 group.coordinator.append.linger.ms=0
 CONF
 
-# A broker that answers is left alone, unless it is ours and was started
-# with another configuration (an older version of this script): then it is
-# started again with this one.
+# Ours and answering: left alone, unless it was started with another
+# configuration (an older version of this script); then it is started
+# again with this one.
 if port_open "$HOST" "$PORT"; then
-  if ! pid_alive "$PIDFILE"; then
-    echo "kafka: something already answers on $HOST:$PORT"
-    rm -f "$CONF.new"
-    exit 0
-  fi
   if port_open "$HOST" "$SASL_SSL_PORT" && cmp -s "$CONF.new" "$CONF"; then
     echo "kafka: the broker (pid $(live_pid "$PIDFILE")) already answers on $HOST:$PORT"
     rm -f "$CONF.new"
